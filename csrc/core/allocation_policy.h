@@ -1,0 +1,68 @@
+// Where the writer places an allocation inside the arena's data region.
+//
+// The protocol (arena.h) only needs "a record index, an offset and a capacity" for each
+// allocation and "this one is free again" when readers let go; how space is found is this
+// interface's business. FixedSlotPolicy is the design document's 8 x 256 MiB slots; other
+// policies (variable-size packing) plug in without touching the protocol or the layers above.
+// Policies live in the writer process only and are not thread-safe: the arena has one writer.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace vllm_shm_arena {
+
+/// Why the writer declined an allocation. Values index WriterStats::declined.
+enum class DeclineReason : uint32_t {
+  kTooSmall = 0,       ///< below the divert threshold (decided above the core)
+  kNotContiguous = 1,  ///< not a dense strided buffer (decided above the core)
+  kOversize = 2,       ///< larger than the policy's largest allocation
+  kNoFreeSlot = 3,     ///< nothing free right now
+  kNoSpace = 4,        ///< fallocate found the shm filesystem full
+  kUnsupported = 5,    ///< a type the arena can't carry (conj/neg bits, quantized...)
+  kCount = 6,
+};
+
+/// A placed allocation: record index, byte offset from the start of the region, capacity.
+struct Placement {
+  uint32_t record = 0;
+  uint64_t offset = 0;
+  uint64_t capacity = 0;
+};
+
+/// Finds and frees space in the data region.
+class AllocationPolicy {
+ public:
+  virtual ~AllocationPolicy() = default;
+  /// Finds room for `nbytes`; on failure returns nullopt and sets `*why`.
+  virtual std::optional<Placement> place(uint64_t nbytes, DeclineReason* why) = 0;
+  /// Returns a placement to the free pool (after readers released it, or on abort).
+  virtual void free(const Placement& p) = 0;
+  /// The largest allocation place() can ever satisfy.
+  virtual uint64_t max_allocation() const = 0;
+  /// Marks a record as in use (a writer taking over an arena rebuilds its state this way).
+  virtual void mark_used(const Placement& p) = 0;
+};
+
+/// N equal slots; record i is slot i. Free slots are reused most-recently-freed first, so the
+/// writer copies into pages that are already faulted in (and warm in cache) instead of
+/// cycling through the whole region.
+class FixedSlotPolicy : public AllocationPolicy {
+ public:
+  /// `data_offset` is where slot 0 starts in the region.
+  FixedSlotPolicy(uint32_t num_slots, uint64_t slot_bytes, uint64_t data_offset);
+  std::optional<Placement> place(uint64_t nbytes, DeclineReason* why) override;
+  void free(const Placement& p) override;
+  uint64_t max_allocation() const override { return slot_bytes_; }
+  void mark_used(const Placement& p) override;
+
+ private:
+  uint64_t slot_bytes_;
+  uint64_t data_offset_;
+  std::vector<uint32_t> free_stack_;  // top = most recently freed
+  std::vector<bool> in_stack_;
+};
+
+}  // namespace vllm_shm_arena

@@ -1,0 +1,543 @@
+#include "core/arena.h"
+
+#include <algorithm>
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "core/copy_pool.h"
+#include "core/errors.h"
+#include "core/process_identity.h"
+
+namespace vllm_shm_arena {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+struct Offsets {
+  uint64_t readers, records, releases, releases_stride, data, data_bytes, total;
+};
+
+Offsets layout_for(uint32_t n_readers, uint32_t max_records, uint64_t data_bytes) {
+  Offsets o;
+  o.readers = kHeaderBytes;
+  o.records = align_up(o.readers + uint64_t{n_readers} * sizeof(ReaderEntry), kCacheLine);
+  o.releases = align_up(o.records + uint64_t{max_records} * sizeof(RecordMeta), kCacheLine);
+  o.releases_stride = align_up(uint64_t{max_records} * sizeof(uint64_t), kCacheLine);
+  o.data = align_up(o.releases + uint64_t{n_readers} * o.releases_stride, kDataAlign);
+  o.data_bytes = data_bytes;
+  o.total = o.data + data_bytes;
+  return o;
+}
+
+ReaderEntry* reader_entry(ArenaHeader* h, uint32_t rank) {
+  return reinterpret_cast<ReaderEntry*>(reinterpret_cast<uint8_t*>(h) + h->readers_offset) +
+         rank;
+}
+RecordMeta* record_meta(ArenaHeader* h, uint32_t record) {
+  return reinterpret_cast<RecordMeta*>(reinterpret_cast<uint8_t*>(h) + h->records_offset) +
+         record;
+}
+std::atomic<uint64_t>* released_gen(ArenaHeader* h, uint32_t rank, uint32_t record) {
+  return reinterpret_cast<std::atomic<uint64_t>*>(reinterpret_cast<uint8_t*>(h) +
+                                                  h->releases_offset +
+                                                  uint64_t{rank} * h->releases_stride) +
+         record;
+}
+
+void check_config(const ArenaConfig& cfg) {
+  if (cfg.n_readers == 0 || cfg.n_readers > kMaxReaders) {
+    throw InvalidArgument("n_readers must be in [1, " + std::to_string(kMaxReaders) + "], got " +
+                          std::to_string(cfg.n_readers));
+  }
+  if (cfg.num_slots == 0 || cfg.num_slots > kMaxRecords) {
+    throw InvalidArgument("num_slots must be in [1, " + std::to_string(kMaxRecords) +
+                          "], got " + std::to_string(cfg.num_slots));
+  }
+  if (cfg.slot_bytes == 0 || cfg.slot_bytes > (1ull << 40)) {
+    throw InvalidArgument("slot_bytes must be in [1, 2^40], got " +
+                          std::to_string(cfg.slot_bytes));
+  }
+}
+
+// Validates a header read from a segment someone else wrote. Every offset is checked
+// against the region size before anything is dereferenced through it.
+void validate_header(const ArenaHeader* h, uint64_t region_bytes, const std::string& name) {
+  auto bad = [&](const std::string& why) {
+    return InvalidArgument("shared memory '" + name + "' is not a usable tensor arena: " + why);
+  };
+  if (h->magic != kArenaMagic) throw bad("wrong magic number (a foreign or garbage segment)");
+  if (h->layout_version != kArenaLayoutVersion) {
+    throw bad("layout version " + std::to_string(h->layout_version) + ", this build reads " +
+              std::to_string(kArenaLayoutVersion) + " (mixed package versions?)");
+  }
+  if (h->region_bytes != region_bytes) {
+    throw bad("header says " + std::to_string(h->region_bytes) + " bytes but the segment has " +
+              std::to_string(region_bytes) + " (truncated?)");
+  }
+  if (h->n_readers == 0 || h->n_readers > kMaxReaders || h->max_records == 0 ||
+      h->max_records > kMaxRecords) {
+    throw bad("reader or record count out of range");
+  }
+  Offsets o = layout_for(h->n_readers, h->max_records, h->data_bytes);
+  if (h->readers_offset != o.readers || h->records_offset != o.records ||
+      h->releases_offset != o.releases || h->releases_stride != o.releases_stride ||
+      h->data_offset != o.data || o.total != region_bytes) {
+    throw bad("table offsets do not match the sizes in the header");
+  }
+  if (h->policy == static_cast<uint32_t>(PolicyKind::kFixedSlots)) {
+    if (h->slot_bytes == 0 || h->slot_bytes * h->max_records != h->data_bytes) {
+      throw bad("slot size does not match the data region");
+    }
+  } else {
+    throw bad("unknown allocation policy " + std::to_string(h->policy));
+  }
+}
+
+}  // namespace
+
+uint64_t arena_region_bytes(const ArenaConfig& cfg) {
+  check_config(cfg);
+  uint64_t slot = align_up(cfg.slot_bytes, kAllocAlign);
+  return layout_for(cfg.n_readers, cfg.num_slots, slot * cfg.num_slots).total;
+}
+
+// ---------------------------------------------------------------------------------------
+// Writer
+
+ArenaWriter::ArenaWriter(std::shared_ptr<ShmRegion> region,
+                         std::unique_ptr<AllocationPolicy> policy)
+    : region_(std::move(region)), policy_(std::move(policy)) {
+  uint32_t n = header()->max_records;
+  placement_.resize(n);
+  gen_.assign(n, 0);
+  published_.assign(n, false);
+  published_at_.resize(n);
+  reserved_.assign(n, false);
+  last_liveness_check_.resize(header()->n_readers);
+}
+
+std::unique_ptr<ArenaWriter> ArenaWriter::create(const ArenaConfig& cfg) {
+  check_config(cfg);
+  uint64_t slot = align_up(cfg.slot_bytes, kAllocAlign);
+  Offsets o = layout_for(cfg.n_readers, cfg.num_slots, slot * cfg.num_slots);
+  auto region = ShmRegion::create(o.total, cfg.prefix, cfg.dir);
+  // The tables are written before the name is handed to anyone, so plain stores suffice;
+  // the atomics are constructed in place (the file is zero-filled, which is also their
+  // zero value).
+  auto* h = new (region->data()) ArenaHeader();
+  h->layout_version = kArenaLayoutVersion;
+  h->policy = static_cast<uint32_t>(PolicyKind::kFixedSlots);
+  h->region_bytes = o.total;
+  h->n_readers = cfg.n_readers;
+  h->max_records = cfg.num_slots;
+  h->readers_offset = o.readers;
+  h->records_offset = o.records;
+  h->releases_offset = o.releases;
+  h->releases_stride = o.releases_stride;
+  h->data_offset = o.data;
+  h->data_bytes = o.data_bytes;
+  h->slot_bytes = slot;
+  // SYNC POINT: relaxed; only this process runs until the name is shared.
+  h->writer_identity.store(ProcessIdentity::self().packed(), std::memory_order_relaxed);
+  // SYNC POINT: relaxed; read and bumped only by the (single) writer.
+  h->next_generation.store(1, std::memory_order_relaxed);
+  h->magic = kArenaMagic;  // last: a half-initialised header never validates
+  auto policy = std::make_unique<FixedSlotPolicy>(cfg.num_slots, slot, o.data);
+  return std::unique_ptr<ArenaWriter>(new ArenaWriter(std::move(region), std::move(policy)));
+}
+
+std::unique_ptr<ArenaWriter> ArenaWriter::attach(const std::string& name, const std::string& dir) {
+  auto region = ShmRegion::attach(name, dir, kHeaderBytes);
+  auto* h = reinterpret_cast<ArenaHeader*>(region->data());
+  validate_header(h, region->size(), name);
+  // SYNC POINT: acquire; pairs with the release CAS below in a previous writer's attach.
+  uint64_t old = h->writer_identity.load(std::memory_order_acquire);
+  ProcessIdentity prev(old);
+  if (prev.is_alive()) {
+    throw InvalidArgument("arena '" + name + "' already has a live writer (pid " +
+                          std::to_string(prev.pid()) + "); an arena has exactly one writer");
+  }
+  // SYNC POINT: acq_rel CAS; pairs with itself in a concurrent attach (only one wins) and
+  // with the acquire load above.
+  if (!h->writer_identity.compare_exchange_strong(old, ProcessIdentity::self().packed(),
+                                                  std::memory_order_acq_rel)) {
+    throw InvalidArgument("arena '" + name + "': another process claimed the writer role first");
+  }
+  auto policy = std::make_unique<FixedSlotPolicy>(h->max_records, h->slot_bytes, h->data_offset);
+  std::unique_ptr<ArenaWriter> w(new ArenaWriter(std::move(region), std::move(policy)));
+  // Rebuild the private bookkeeping: every published record stays in use until its readers
+  // let go, exactly as if this process had published it.
+  for (uint32_t r = 0; r < h->max_records; ++r) {
+    // SYNC POINT: acquire; pairs with the release store in the old writer's publish().
+    uint64_t g = record_meta(h, r)->published_gen.load(std::memory_order_acquire);
+    if (g == 0) continue;
+    Placement p{r, h->data_offset + uint64_t{r} * h->slot_bytes, h->slot_bytes};
+    w->policy_->mark_used(p);
+    w->placement_[r] = p;
+    w->gen_[r] = g;
+    w->published_[r] = true;
+    w->published_at_[r] = Clock::now();
+    w->in_use_.push_back(r);
+  }
+  return w;
+}
+
+ArenaWriter::~ArenaWriter() = default;
+
+uint64_t ArenaWriter::max_allocation() const { return policy_->max_allocation(); }
+
+void ArenaWriter::count_decline(DeclineReason why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.declined[static_cast<size_t>(why)];
+}
+
+bool ArenaWriter::reader_lets_go(uint32_t rank, uint32_t record, uint64_t gen,
+                                 bool check_liveness) {
+  ArenaHeader* h = header();
+  ReaderEntry* e = reader_entry(h, rank);
+  // SYNC POINT: acquire; pairs with the release store of kDetached in ArenaReader::detach()
+  // (everything the reader did before detaching happens-before we recycle).
+  auto state = static_cast<ReaderState>(e->state.load(std::memory_order_acquire));
+  if (state == ReaderState::kDetached || state == ReaderState::kDead) return true;
+  // SYNC POINT: acquire; pairs with the release store in ArenaReader::release(): the
+  // reader's last access to the bytes happens-before the writer reuses them.
+  if (released_gen(h, rank, record)->load(std::memory_order_acquire) == gen) return true;
+  if (!check_liveness || state != ReaderState::kAttached) return false;
+  auto now = Clock::now();
+  if (now - last_liveness_check_[rank] < std::chrono::milliseconds(1)) return false;
+  last_liveness_check_[rank] = now;
+  // SYNC POINT: acquire; pairs with the release store of the identity in ArenaReader::attach.
+  ProcessIdentity who(e->identity.load(std::memory_order_acquire));
+  if (who.is_alive()) return false;
+  uint32_t expected = static_cast<uint32_t>(ReaderState::kAttached);
+  // SYNC POINT: acq_rel CAS; pairs with the release store of kDetached in detach() (a reader
+  // that detached cleanly in the meantime stays detached) and with later acquire loads of
+  // the state in this function.
+  if (e->state.compare_exchange_strong(expected, static_cast<uint32_t>(ReaderState::kDead),
+                                       std::memory_order_acq_rel)) {
+    ++stats_.dead_readers;
+  }
+  return true;
+}
+
+size_t ArenaWriter::reclaim_locked(bool check_liveness) {
+  ArenaHeader* h = header();
+  size_t freed = 0;
+  for (size_t i = 0; i < in_use_.size();) {
+    uint32_t rec = in_use_[i];
+    bool free = published_[rec];
+    for (uint32_t r = 0; free && r < h->n_readers; ++r) {
+      free = reader_lets_go(r, rec, gen_[rec], check_liveness);
+    }
+    if (!free) {
+      ++i;
+      continue;
+    }
+    // SYNC POINT: relaxed; no reader can hold `rec` any more (all released or dead), and a
+    // reader that later validates a stale stub compares against this 0 or a newer
+    // generation published with release.
+    record_meta(h, rec)->published_gen.store(0, std::memory_order_relaxed);
+    gen_[rec] = 0;
+    published_[rec] = false;
+    policy_->free(placement_[rec]);
+    in_use_[i] = in_use_.back();
+    in_use_.pop_back();
+    ++stats_.reclaimed;
+    ++freed;
+  }
+  return freed;
+}
+
+size_t ArenaWriter::reclaim(bool check_liveness) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return reclaim_locked(check_liveness);
+}
+
+std::optional<Allocation> ArenaWriter::allocate(uint64_t nbytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (nbytes > policy_->max_allocation()) {
+    ++stats_.declined[static_cast<size_t>(DeclineReason::kOversize)];
+    return std::nullopt;
+  }
+  reclaim_locked(false);
+  DeclineReason why = DeclineReason::kNoFreeSlot;
+  std::optional<Placement> p = policy_->place(nbytes, &why);
+  if (!p && why == DeclineReason::kNoFreeSlot && reclaim_locked(true) > 0) {
+    p = policy_->place(nbytes, &why);
+  }
+  if (!p) {
+    ++stats_.declined[static_cast<size_t>(why)];
+    return std::nullopt;
+  }
+  bool cold = !reserved_[p->record];
+  if (cold) {
+    if (!region_->reserve(p->offset, p->capacity)) {
+      policy_->free(*p);
+      ++stats_.declined[static_cast<size_t>(DeclineReason::kNoSpace)];
+      return std::nullopt;
+    }
+    reserved_[p->record] = true;
+  }
+  ArenaHeader* h = header();
+  // SYNC POINT: relaxed; only the writer touches the counter.
+  uint64_t gen = h->next_generation.fetch_add(1, std::memory_order_relaxed);
+  RecordMeta* m = record_meta(h, p->record);
+  m->offset = p->offset;
+  m->capacity = p->capacity;
+  m->nbytes = nbytes;
+  placement_[p->record] = *p;
+  gen_[p->record] = gen;
+  published_[p->record] = false;
+  in_use_.push_back(p->record);
+  return Allocation{p->record, gen, region_->data() + p->offset, nbytes, cold};
+}
+
+void ArenaWriter::publish(const Allocation& a) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (a.record >= gen_.size() || gen_[a.record] != a.generation || published_[a.record]) {
+    throw InvalidArgument("publish: allocation (record " + std::to_string(a.record) +
+                          ", generation " + std::to_string(a.generation) +
+                          ") is not a pending allocation of this writer");
+  }
+  ArenaHeader* h = header();
+  // Clear every reader's flag for this record? Not needed: flags hold generations, and
+  // generations never repeat, so an old flag can't match `a.generation`.
+  // SYNC POINT: release; pairs with the acquire load of published_gen in
+  // ArenaReader::acquire(): the payload bytes and offset/nbytes written before this store are
+  // visible to a reader that sees the generation.
+  record_meta(h, a.record)->published_gen.store(a.generation, std::memory_order_release);
+  published_[a.record] = true;
+  published_at_[a.record] = Clock::now();
+  ++stats_.hits;
+  stats_.bytes += a.nbytes;
+  if (a.cold) {
+    ++stats_.cold_copies;
+    stats_.cold_bytes += a.nbytes;
+  } else {
+    ++stats_.warm_copies;
+    stats_.warm_bytes += a.nbytes;
+  }
+}
+
+void ArenaWriter::abort(const Allocation& a) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (a.record >= gen_.size() || gen_[a.record] != a.generation) return;  // already recycled
+  ArenaHeader* h = header();
+  if (published_[a.record]) {
+    // Undo the publish counters: the allocation never reached anyone.
+    --stats_.hits;
+    stats_.bytes -= a.nbytes;
+    if (a.cold) {
+      --stats_.cold_copies;
+      stats_.cold_bytes -= a.nbytes;
+    } else {
+      --stats_.warm_copies;
+      stats_.warm_bytes -= a.nbytes;
+    }
+  }
+  // SYNC POINT: relaxed; the stub never left this process, so no reader can be looking.
+  record_meta(h, a.record)->published_gen.store(0, std::memory_order_relaxed);
+  gen_[a.record] = 0;
+  published_[a.record] = false;
+  policy_->free(placement_[a.record]);
+  in_use_.erase(std::find(in_use_.begin(), in_use_.end(), a.record));
+  ++stats_.aborted;
+}
+
+std::optional<Allocation> ArenaWriter::write(const void* src, uint64_t nbytes) {
+  std::optional<Allocation> a = allocate(nbytes);
+  if (!a) return a;
+  if (nbytes > 0) parallel_copy(a->data, src, nbytes);
+  publish(*a);
+  return a;
+}
+
+WriterStats ArenaWriter::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  WriterStats s = stats_;
+  s.in_use = static_cast<uint32_t>(in_use_.size());
+  return s;
+}
+
+std::vector<ReaderHolding> ArenaWriter::holdings() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  ArenaHeader* h = header();
+  auto now = Clock::now();
+  std::vector<ReaderHolding> out(h->n_readers);
+  for (uint32_t r = 0; r < h->n_readers; ++r) {
+    out[r].rank = r;
+    // SYNC POINT: relaxed; a monitoring snapshot, nothing is recycled based on it.
+    out[r].state =
+        static_cast<ReaderState>(reader_entry(h, r)->state.load(std::memory_order_relaxed));
+    if (out[r].state == ReaderState::kDetached || out[r].state == ReaderState::kDead) continue;
+    for (uint32_t rec : in_use_) {
+      if (!published_[rec]) continue;
+      // SYNC POINT: relaxed; monitoring only (see above).
+      if (released_gen(h, r, rec)->load(std::memory_order_relaxed) == gen_[rec]) continue;
+      ++out[r].records_held;
+      double age = std::chrono::duration<double>(now - published_at_[rec]).count();
+      out[r].oldest_age_seconds = std::max(out[r].oldest_age_seconds, age);
+    }
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// Reader
+
+ArenaReader::ArenaReader(std::shared_ptr<ShmRegion> region, uint32_t rank)
+    : region_(std::move(region)), rank_(rank) {}
+
+std::shared_ptr<ArenaReader> ArenaReader::attach(const std::string& name, uint32_t rank,
+                                                 const std::string& dir) {
+  auto region = ShmRegion::attach(name, dir, kHeaderBytes);
+  auto* h = reinterpret_cast<ArenaHeader*>(region->data());
+  validate_header(h, region->size(), name);
+  if (rank >= h->n_readers) {
+    throw OutOfRange("reader_rank " + std::to_string(rank) + " out of range [0, " +
+                     std::to_string(h->n_readers) + ") for arena '" + name + "'");
+  }
+  ReaderEntry* e = reader_entry(h, rank);
+  uint64_t me = ProcessIdentity::self().packed();
+  // SYNC POINT: acquire; pairs with the release CAS below in an earlier attach of this rank.
+  uint64_t cur = e->identity.load(std::memory_order_acquire);
+  for (;;) {
+    ProcessIdentity holder(cur);
+    auto st = static_cast<ReaderState>(e->state.load(std::memory_order_acquire));
+    // SYNC POINT (above): acquire; pairs with the release stores of the state in detach()
+    // and the writer's DEAD CAS.
+    if (!holder.empty() && st == ReaderState::kAttached && holder.is_alive()) {
+      throw InvalidArgument("reader rank " + std::to_string(rank) + " of arena '" + name +
+                            "' is already attached by live pid " +
+                            std::to_string(holder.pid()));
+    }
+    // SYNC POINT: acq_rel CAS; pairs with itself in a concurrent attach of the same rank
+    // (one wins) and with the writer's acquire load of the identity in reader_lets_go().
+    if (e->identity.compare_exchange_weak(cur, me, std::memory_order_acq_rel)) break;
+  }
+  if (static_cast<ReaderState>(e->state.load(std::memory_order_relaxed)) !=
+      ReaderState::kNeverAttached) {
+    // A replacement reader starts with nothing held: mark every record published so far as
+    // released by this rank, so the writer does not wait for messages the old process took
+    // with it.
+    for (uint32_t r = 0; r < h->max_records; ++r) {
+      // SYNC POINT: acquire; pairs with the release store in ArenaWriter::publish().
+      uint64_t g = record_meta(h, r)->published_gen.load(std::memory_order_acquire);
+      // SYNC POINT: release; pairs with the writer's acquire load in reader_lets_go().
+      if (g != 0) released_gen(h, rank, r)->store(g, std::memory_order_release);
+    }
+  }
+  // SYNC POINT: release; pairs with the writer's acquire load of the state in
+  // reader_lets_go() (which then also sees the identity stored above).
+  e->state.store(static_cast<uint32_t>(ReaderState::kAttached), std::memory_order_release);
+  return std::shared_ptr<ArenaReader>(new ArenaReader(std::move(region), rank));
+}
+
+ArenaReader::~ArenaReader() { detach(); }
+
+uint64_t ArenaReader::max_allocation() const { return header()->slot_bytes; }
+
+uint64_t ArenaReader::published_generation(uint32_t record) const {
+  if (record >= header()->max_records) {
+    throw OutOfRange("slot " + std::to_string(record) + " out of range [0, " +
+                     std::to_string(header()->max_records) + ")");
+  }
+  // SYNC POINT: acquire; pairs with the release store in ArenaWriter::publish().
+  return record_meta(header(), record)->published_gen.load(std::memory_order_acquire);
+}
+
+const uint8_t* ArenaReader::acquire(uint32_t record, uint64_t generation, uint64_t nbytes) {
+  ArenaHeader* h = header();
+  if (record >= h->max_records) {
+    throw OutOfRange("slot " + std::to_string(record) + " out of range [0, " +
+                     std::to_string(h->max_records) + ") in arena '" + name() + "'");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (detached_) throw InvalidArgument("arena '" + name() + "' reader is closed");
+  auto it = holds_.find(record);
+  if (it != holds_.end()) {
+    // Already held by this process: the writer can't have recycled it.
+    if (it->second.generation != generation) {
+      throw InvalidArgument("stale stub for slot " + std::to_string(record) + ": generation " +
+                            std::to_string(generation) + ", slot holds generation " +
+                            std::to_string(it->second.generation));
+    }
+  } else {
+    RecordMeta* m = record_meta(h, record);
+    // SYNC POINT: acquire; pairs with the release store in ArenaWriter::publish(), making the
+    // payload and m->offset / m->nbytes visible.
+    uint64_t g = m->published_gen.load(std::memory_order_acquire);
+    if (g != generation || generation == 0) {
+      throw InvalidArgument("stale stub for slot " + std::to_string(record) + ": generation " +
+                            std::to_string(generation) + ", slot holds generation " +
+                            std::to_string(g) + " (already recycled or never published)");
+    }
+    // SYNC POINT: relaxed; this reader is the only writer of its own flag.
+    if (released_gen(h, rank_, record)->load(std::memory_order_relaxed) == generation) {
+      throw InvalidArgument("slot " + std::to_string(record) + " generation " +
+                            std::to_string(generation) + " was already released by reader " +
+                            std::to_string(rank_));
+    }
+    if (m->offset < h->data_offset || m->capacity > h->region_bytes - m->offset ||
+        m->nbytes > m->capacity) {
+      throw InvalidArgument("slot " + std::to_string(record) + " metadata is corrupt");
+    }
+    it = holds_.emplace(record, Hold{generation, 0}).first;
+  }
+  RecordMeta* m = record_meta(h, record);
+  if (nbytes != m->nbytes) {
+    if (it->second.count == 0) holds_.erase(it);
+    throw InvalidArgument("nbytes " + std::to_string(nbytes) + " does not match the " +
+                          std::to_string(m->nbytes) + " bytes written to slot " +
+                          std::to_string(record));
+  }
+  ++it->second.count;
+  return region_->data() + m->offset;
+}
+
+void ArenaReader::release(uint32_t record, uint64_t generation) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = holds_.find(record);
+  if (it == holds_.end() || it->second.generation != generation) return;
+  if (--it->second.count > 0) return;
+  holds_.erase(it);
+  // SYNC POINT: release; pairs with the writer's acquire load in reader_lets_go(): every
+  // read of the slot by this process happens-before the writer recycles it.
+  released_gen(header(), rank_, record)->store(generation, std::memory_order_release);
+}
+
+void ArenaReader::release_unacquired(uint32_t record, uint64_t generation) {
+  ArenaHeader* h = header();
+  if (record >= h->max_records) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (holds_.count(record) != 0) return;  // acquired after all; release() will handle it
+  // SYNC POINT: acquire; pairs with the release store in ArenaWriter::publish().
+  if (record_meta(h, record)->published_gen.load(std::memory_order_acquire) != generation) return;
+  // SYNC POINT: release; pairs with the writer's acquire load in reader_lets_go().
+  released_gen(h, rank_, record)->store(generation, std::memory_order_release);
+}
+
+size_t ArenaReader::held() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return holds_.size();
+}
+
+void ArenaReader::detach() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (detached_) return;
+  detached_ = true;
+  ReaderEntry* e = reader_entry(header(), rank_);
+  // Only detach the rank if this process still owns it (it may have been declared dead and
+  // taken over by a replacement).
+  // SYNC POINT: acquire; pairs with the acq_rel CAS in attach().
+  if (e->identity.load(std::memory_order_acquire) != ProcessIdentity::self().packed()) return;
+  // SYNC POINT: release; pairs with the writer's acquire load of the state in
+  // reader_lets_go(): our last reads of any slot happen-before it recycles them.
+  e->state.store(static_cast<uint32_t>(ReaderState::kDetached), std::memory_order_release);
+}
+
+}  // namespace vllm_shm_arena

@@ -1,0 +1,179 @@
+// The tensor arena's single-writer / N-reader protocol over one shared-memory region.
+//
+// Roles are separate classes: ArenaWriter (exactly one live process per arena) hands out
+// allocations and recycles them; ArenaReader (one per reader rank) validates the stubs it is
+// sent and releases what it no longer uses. The layout and the state machine of a record are
+// drawn in arena_layout.h; where space comes from is AllocationPolicy's business.
+//
+// The writer never blocks: when nothing is free, an allocation is too big, or the shm
+// filesystem is full, allocate() declines (and counts why) so the caller can take another
+// path. A reader that dies is treated as having released everything it held.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "core/allocation_policy.h"
+#include "core/arena_layout.h"
+#include "core/shm_region.h"
+
+namespace vllm_shm_arena {
+
+/// How to build a new arena.
+struct ArenaConfig {
+  uint32_t n_readers = 1;              ///< reader ranks 0..n_readers-1
+  uint32_t num_slots = 8;              ///< fixed-slot policy: number of slots
+  uint64_t slot_bytes = 256ull << 20;  ///< fixed-slot policy: bytes per slot (rounded up to 4 KiB)
+  std::string dir = ShmRegion::default_dir();  ///< where the shm name lives
+  std::string prefix = "vsa_";                 ///< name prefix, followed by 128 random bits
+};
+
+/// Bytes the whole region needs for `cfg` (header, tables and data).
+uint64_t arena_region_bytes(const ArenaConfig& cfg);
+
+/// Writer-side counters. Monotonic except `in_use`.
+struct WriterStats {
+  uint64_t hits = 0;   ///< allocations published
+  uint64_t bytes = 0;  ///< payload bytes published
+  std::array<uint64_t, static_cast<size_t>(DeclineReason::kCount)> declined{};
+  uint64_t cold_copies = 0;  ///< allocations into pages never written before
+  uint64_t warm_copies = 0;  ///< allocations into pages written before
+  uint64_t cold_bytes = 0;
+  uint64_t warm_bytes = 0;
+  uint64_t reclaimed = 0;     ///< records recycled after every reader let go
+  uint64_t dead_readers = 0;  ///< readers found dead (their holdings were reclaimed)
+  uint64_t aborted = 0;       ///< allocations given back unpublished
+  uint32_t in_use = 0;        ///< records currently published or being filled
+};
+
+/// What one reader holds, as the writer sees it.
+struct ReaderHolding {
+  uint32_t rank = 0;
+  ReaderState state = ReaderState::kNeverAttached;
+  uint32_t records_held = 0;       ///< published records this reader has not released
+  double oldest_age_seconds = 0;   ///< age of the oldest of them (0 if none)
+};
+
+/// A claimed allocation the writer is filling (before publish) or has published.
+struct Allocation {
+  uint32_t record = 0;
+  uint64_t generation = 0;
+  uint8_t* data = nullptr;  ///< where to write the payload (writer's mapping)
+  uint64_t nbytes = 0;
+  bool cold = false;  ///< the pages had never been written by this writer
+};
+
+/// The single writer of an arena.
+class ArenaWriter {
+ public:
+  /// Creates a new region sized for `cfg` after checking the shm directory has room.
+  static std::unique_ptr<ArenaWriter> create(const ArenaConfig& cfg);
+  /// Takes over an existing arena whose writer has died. Throws InvalidArgument if the arena
+  /// still has a live writer.
+  static std::unique_ptr<ArenaWriter> attach(const std::string& name,
+                                             const std::string& dir = ShmRegion::default_dir());
+  ~ArenaWriter();
+
+  /// Claims space for `nbytes` (0 allowed), or declines (counted) with nullopt. Never blocks.
+  std::optional<Allocation> allocate(uint64_t nbytes);
+  /// Makes a filled allocation visible to readers.
+  void publish(const Allocation& a);
+  /// Gives an unpublished — or published but never sent — allocation back at once.
+  void abort(const Allocation& a);
+  /// allocate + parallel copy of `src` + publish; nullopt when declined.
+  std::optional<Allocation> write(const void* src, uint64_t nbytes);
+  /// Counts a decline decided above the core (too small, not contiguous, unsupported type).
+  void count_decline(DeclineReason why);
+  /// Recycles records every reader let go of. With `check_liveness`, readers that block a
+  /// record are checked for death first. Returns the number recycled.
+  size_t reclaim(bool check_liveness);
+
+  /// A snapshot of the counters.
+  WriterStats stats() const;
+  /// Per reader: state, records held and the age of the oldest.
+  std::vector<ReaderHolding> holdings() const;
+  /// The largest payload one allocation can hold.
+  uint64_t max_allocation() const;
+
+  const std::string& name() const { return region_->name(); }
+  uint32_t n_readers() const { return header()->n_readers; }
+  uint32_t max_records() const { return header()->max_records; }
+  const std::shared_ptr<ShmRegion>& region() const { return region_; }
+  /// Removes the shm name (mappings stay valid); readers can no longer attach.
+  void unlink() { region_->unlink(); }
+
+ private:
+  ArenaWriter(std::shared_ptr<ShmRegion> region, std::unique_ptr<AllocationPolicy> policy);
+  ArenaHeader* header() const { return reinterpret_cast<ArenaHeader*>(region_->data()); }
+  size_t reclaim_locked(bool check_liveness);
+  bool reader_lets_go(uint32_t rank, uint32_t record, uint64_t gen, bool check_liveness);
+
+  std::shared_ptr<ShmRegion> region_;
+  std::unique_ptr<AllocationPolicy> policy_;
+  mutable std::mutex mu_;  // one writer process, but Python may call it from several threads
+  // Writer-private bookkeeping, indexed by record.
+  std::vector<Placement> placement_;
+  std::vector<uint64_t> gen_;       // generation of the live allocation, 0 = free
+  std::vector<bool> published_;
+  std::vector<std::chrono::steady_clock::time_point> published_at_;
+  std::vector<bool> reserved_;      // pages fallocated (and so, after a write, warm)
+  std::vector<uint32_t> in_use_;    // records with gen_ != 0
+  std::vector<std::chrono::steady_clock::time_point> last_liveness_check_;
+  WriterStats stats_;
+};
+
+/// One reader rank of an arena. Thread-safe: tensors may be freed on any thread.
+class ArenaReader {
+ public:
+  /// Attaches to `name` as reader `rank`. Validates the header (a garbage, truncated or
+  /// foreign segment is rejected) and refuses a rank another live process holds.
+  static std::shared_ptr<ArenaReader> attach(const std::string& name, uint32_t rank,
+                                             const std::string& dir = ShmRegion::default_dir());
+  ~ArenaReader();
+
+  /// Validates a stub and pins the record for this reader: record in range, generation
+  /// published, not yet released by this reader, `nbytes` equal to what was written.
+  /// Returns the payload's address. Every acquire needs one release.
+  const uint8_t* acquire(uint32_t record, uint64_t generation, uint64_t nbytes);
+  /// Drops one acquire; the last one tells the writer this reader is done with the record.
+  void release(uint32_t record, uint64_t generation);
+  /// Releases a record this reader was sent but never acquired (a message it failed to
+  /// unpickle). A no-op if it is already released or was recycled (stale generation).
+  void release_unacquired(uint32_t record, uint64_t generation);
+  /// The generation currently published in `record` (0 if none).
+  uint64_t published_generation(uint32_t record) const;
+  /// Marks this rank detached: the writer stops waiting for it. Called by the destructor.
+  void detach();
+
+  uint32_t rank() const { return rank_; }
+  uint32_t max_records() const { return header()->max_records; }
+  uint64_t max_allocation() const;
+  const std::string& name() const { return region_->name(); }
+  const std::shared_ptr<ShmRegion>& region() const { return region_; }
+  /// Records this reader currently holds (acquired and not yet released).
+  size_t held() const;
+
+ private:
+  ArenaReader(std::shared_ptr<ShmRegion> region, uint32_t rank);
+  ArenaHeader* header() const { return reinterpret_cast<ArenaHeader*>(region_->data()); }
+
+  std::shared_ptr<ShmRegion> region_;
+  uint32_t rank_;
+  bool detached_ = false;
+  mutable std::mutex mu_;
+  struct Hold {
+    uint64_t generation;
+    uint32_t count;
+  };
+  std::unordered_map<uint32_t, Hold> holds_;
+};
+
+}  // namespace vllm_shm_arena

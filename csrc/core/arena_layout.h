@@ -1,0 +1,107 @@
+// Shared-memory layout of the tensor arena and the state machine of its allocation records.
+//
+//  offset 0            +---------------------------------------------------------------+
+//                      | ArenaHeader (one 4 KiB page): magic, layout version, sizes,   |
+//                      | offsets, policy parameters, writer identity                   |
+//  readers_offset      +---------------------------------------------------------------+
+//                      | ReaderEntry[n_readers], 64 B each: identity, state            |
+//  records_offset      +---------------------------------------------------------------+
+//                      | RecordMeta[max_records], 64 B each (written by the writer):   |
+//                      |   offset, capacity, nbytes, published_gen                     |
+//  releases_offset     +---------------------------------------------------------------+
+//                      | reader 0: released_gen[max_records]  (padded to 64 B)         |
+//                      | reader 1: released_gen[max_records]  (padded to 64 B)         |
+//                      | ...      each reader writes only its own block: no false      |
+//                      |          sharing between readers                              |
+//  data_offset (2 MiB) +---------------------------------------------------------------+
+//                      | data: allocations handed out by the writer's policy           |
+//                      | (fixed slots: slot i at i * slot_bytes)                       |
+//                      +---------------------------------------------------------------+
+//
+// Record states. Generations are 64-bit, start at 1 and never repeat within an arena, so a
+// flag left over from an earlier use can never be mistaken for a release of the current one.
+//
+//   FREE ──writer: claim, fill offset/capacity/nbytes, copy bytes──▶ FILLING
+//   FILLING ──writer: published_gen.store(g, release)──▶ PUBLISHED(g)
+//   FILLING ──writer: abort (stub never left the process)──▶ FREE
+//   PUBLISHED(g) ──reader r: released_gen[r].store(g, release)──▶ (r done)
+//   PUBLISHED(g) ──writer sees, for every reader r, released_gen[r] == g (acquire), or r
+//                  DETACHED, or r DEAD──▶ FREE (published_gen.store(0))
+//
+// FREE and FILLING differ only in the writer's private bookkeeping: the writer is the only
+// process that moves a record out of FREE, so no other process needs to see the difference.
+// A reader accepts a stub (record, g) only while published_gen == g and its own
+// released_gen != g. The writer cannot recycle the record before this reader releases it (or
+// is found dead), so a record a live reader validated stays valid until that reader lets go.
+//
+// Reader states: NEVER_ATTACHED ─attach─▶ ATTACHED ─close─▶ DETACHED
+//                                         ATTACHED ─writer finds the process dead─▶ DEAD
+// A NEVER_ATTACHED reader still counts as holding every published record: its messages may
+// be queued for it already. DETACHED and DEAD readers hold nothing.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace vllm_shm_arena {
+
+constexpr uint64_t kArenaMagic = 0x414e455241415356ull;  // "VSAARENA" little-endian
+constexpr uint32_t kArenaLayoutVersion = 1;
+constexpr uint64_t kHeaderBytes = 4096;
+constexpr uint64_t kCacheLine = 64;
+constexpr uint64_t kDataAlign = 2ull << 20;    // 2 MiB: huge-page friendly where tmpfs has them.
+constexpr uint64_t kAllocAlign = 4096;         // every allocation starts on a page.
+constexpr uint32_t kMaxReaders = 1024;
+constexpr uint32_t kMaxRecords = 1u << 20;
+
+enum class PolicyKind : uint32_t { kFixedSlots = 1, kVariable = 2 };
+
+enum class ReaderState : uint32_t { kNeverAttached = 0, kAttached = 1, kDetached = 2, kDead = 3 };
+
+static_assert(std::atomic<uint64_t>::is_always_lock_free,
+              "shared-memory protocol words must be lock-free to work across processes");
+static_assert(std::atomic<uint32_t>::is_always_lock_free,
+              "shared-memory protocol words must be lock-free to work across processes");
+static_assert(sizeof(std::atomic<uint64_t>) == 8 && alignof(std::atomic<uint64_t>) == 8,
+              "an atomic word must have the layout of the plain word other processes map");
+
+/// Page 0 of the region. Written once by the creating writer before the name is shared,
+/// except `writer_identity`, which a new writer may claim when the old one is dead.
+struct ArenaHeader {
+  uint64_t magic;
+  uint32_t layout_version;
+  uint32_t policy;  // PolicyKind
+  uint64_t region_bytes;
+  uint32_t n_readers;
+  uint32_t max_records;
+  uint64_t readers_offset;
+  uint64_t records_offset;
+  uint64_t releases_offset;
+  uint64_t releases_stride;  // bytes between two readers' released_gen blocks
+  uint64_t data_offset;
+  uint64_t data_bytes;
+  uint64_t slot_bytes;  // fixed-slot policy: bytes per slot (0 for other policies)
+  std::atomic<uint64_t> writer_identity;  // ProcessIdentity of the writer
+  std::atomic<uint64_t> next_generation;  // generation the writer hands out next
+};
+static_assert(sizeof(ArenaHeader) <= kHeaderBytes, "the header must fit its 4 KiB page");
+
+/// One reader's slot in the reader table; 64 B so readers attaching never share a line.
+struct alignas(kCacheLine) ReaderEntry {
+  std::atomic<uint64_t> identity;  // ProcessIdentity of the attached reader, 0 if none
+  std::atomic<uint32_t> state;     // ReaderState
+};
+static_assert(sizeof(ReaderEntry) == kCacheLine, "one reader entry per cache line");
+
+/// One allocation record; only the writer stores to it.
+struct alignas(kCacheLine) RecordMeta {
+  uint64_t offset;    // from the start of the region
+  uint64_t capacity;  // bytes reserved for this allocation
+  uint64_t nbytes;    // payload bytes written
+  std::atomic<uint64_t> published_gen;  // 0 = not published
+};
+static_assert(sizeof(RecordMeta) == kCacheLine,
+              "records are a cache line each so the writer's stores don't share lines");
+
+}  // namespace vllm_shm_arena

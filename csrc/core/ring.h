@@ -1,0 +1,180 @@
+// An ordered single-writer / N-reader ring of fixed-size chunks in a caller-provided block of
+// shared memory: the engine -> worker broadcast path of the message queue.
+//
+// Every reader reads every chunk, in publish order. The writer reuses a chunk only after every
+// reader it still counts has released the chunk's previous message. The caller maps the block
+// (shm_open + mmap, or mmap(MAP_SHARED | MAP_ANONYMOUS) before fork) and hands the same bytes to
+// ring_init (once, in the writer) and to RingWriter / RingReader (in each process).
+//
+// Shared-memory layout (every box starts on a 64-byte cache line; N = max_chunks, R = n_readers)
+//
+//   base +0    RingHeader, 4 cache lines
+//              line 0  layout   magic | layout_version | n_readers | max_chunks |
+//                               max_chunk_bytes | total_bytes       (immutable after ring_init)
+//              line 1  control  writer (ProcessIdentity) | shutdown | dropped_readers
+//              line 2  data     data_word | data_waiters   readers sleep here, publish wakes
+//              line 3  space    space_word | space_waiter  the writer sleeps here, release wakes
+//   +256       ReaderSlot[R], one cache line each, written only by its reader (and the writer
+//              when it drops a dead reader): read_seq | identity | state
+//   +256+64R   ChunkSlot[N], one cache line each, written only by the writer: seq | nbytes | flags
+//   +...       payload[N], each round_up(max_chunk_bytes, 64) bytes
+//
+// Messages are numbered 1, 2, 3, ... (64-bit, never reused). Message s lives in chunk
+// (s - 1) % N. ChunkSlot::seq holds the number of the message last published into the chunk;
+// ReaderSlot::read_seq holds the number of the message the reader released last. Numbers rather
+// than boolean "written"/"read" flags mean a flag left over from the chunk's previous lap can
+// never be mistaken for the current one.
+//
+// Per-chunk state machine, for chunk c and the message s = c + 1 + k * N it holds next
+//
+//                      writer: acquire()                 writer: publish()
+//   FREE(seq = s - N) ------------------> WRITING(s) ------------------------> PUBLISHED(s)
+//        ^           every counted reader  (seq still s - N,  stores nbytes,     (seq = s)
+//        |           has read_seq >= s - N  readers of s wait) flags, then seq       |
+//        |                                                                           |
+//        +------------- every counted reader released s (read_seq >= s) -------------+
+//                       (the chunk is FREE for message s + N)
+//
+//   A reader whose next message is s waits until chunk c's seq == s; seq > s would mean the
+//   writer overwrote a message this reader never released, which only happens to a reader the
+//   writer dropped as dead.
+//
+// Reader slot states: FREE (never attached) -> ATTACHED -> DETACHED (clean ~RingReader) or DEAD
+// (the writer found the process gone). The writer counts FREE and ATTACHED readers: a reader
+// that has not attached yet is waited for (until the writer's timeout) so it cannot miss the
+// first messages; DETACHED and DEAD readers are never counted again, and a rank cannot be
+// re-attached.
+//
+// Why the store order matters: the writer stores nbytes and flags and the payload with plain
+// stores and then publishes seq with a release store, so a reader that loads seq == s with
+// acquire sees the whole message. A reader finishes reading and then stores read_seq with
+// release, so a writer that sees read_seq >= s with acquire can overwrite the chunk without
+// racing with that read. Sleeping uses the Dekker pattern on both sides (waiter: announce, load
+// the futex word, re-check, sleep; waker: store, then look for announced waiters), all seq_cst,
+// so no wake-up is lost and the common no-waiter path costs no syscall and no shared RMW.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace vllm_shm_arena {
+
+/// Shape of a ring, fixed by ring_init.
+struct RingConfig {
+  uint32_t n_readers = 0;        ///< Reader ranks 0..n_readers-1; every one reads every chunk.
+  uint32_t max_chunks = 0;       ///< Messages in flight before the writer waits for readers.
+  uint64_t max_chunk_bytes = 0;  ///< Largest message that fits in one chunk.
+};
+
+/// Flag bits the ring carries for the caller, uninterpreted.
+constexpr uint32_t kRingFlagOverflow = 1u << 0;  ///< The payload did not fit; it is on the socket.
+
+/// Upper limits ring_bytes accepts, so the layout size cannot overflow.
+constexpr uint32_t kRingMaxReaders = 4096;
+constexpr uint32_t kRingMaxChunks = 1u << 20;
+constexpr uint64_t kRingMaxChunkBytes = uint64_t{1} << 40;
+
+/// Bytes a block must have to hold a ring of this shape. Throws InvalidArgument on a zero or
+/// too-large field.
+size_t ring_bytes(const RingConfig& config);
+
+/// Lays out a fresh ring in [base, base + bytes): no writer, no reader attached, no message.
+/// Call once, before any RingWriter / RingReader attaches. `base` must be 64-byte aligned.
+void ring_init(void* base, size_t bytes, const RingConfig& config);
+
+/// Checks that [base, base + bytes) holds a ring made by ring_init (magic, layout version,
+/// sizes) and returns its shape. Throws InvalidArgument naming what does not match.
+RingConfig ring_validate(const void* base, size_t bytes);
+
+namespace detail {
+struct RingHeader;
+struct ReaderSlot;
+struct ChunkSlot;
+}  // namespace detail
+
+/// The single writer of a ring. Not thread-safe: one thread drives it.
+class RingWriter {
+ public:
+  /// Attaches to a ring and claims the writer role. Throws InvalidArgument if the block is not
+  /// a ring or another live process (or object) holds the role; takes over from a dead writer.
+  RingWriter(void* base, size_t bytes);
+  /// Gives the writer role back (does not shut the ring down).
+  ~RingWriter();
+  RingWriter(const RingWriter&) = delete;
+  RingWriter& operator=(const RingWriter&) = delete;
+
+  /// Waits until the next chunk in order is free (released by every counted reader) and returns
+  /// its payload, max_chunk_bytes long; nullptr after `timeout_ns` (< 0: no limit). Readers
+  /// found dead while waiting are dropped for good. Throws InvalidArgument if a chunk is
+  /// already acquired or the ring was shut down.
+  uint8_t* acquire(int64_t timeout_ns);
+  /// Makes the acquired chunk, `nbytes` long, visible to readers together with `flags`.
+  void publish(uint64_t nbytes, uint32_t flags);
+  /// Tells every reader no more messages come and wakes the blocked ones. Idempotent.
+  void shutdown();
+
+  /// Readers this ring has dropped as dead (by any writer, ever).
+  uint32_t dropped_readers() const;
+  /// Messages published so far (the sequence number of the last one).
+  uint64_t published() const { return next_seq_ - 1; }
+  const RingConfig& config() const { return config_; }
+
+ private:
+  bool all_released(uint64_t need) const;
+  void drop_dead_readers(uint64_t need);
+
+  RingConfig config_;
+  detail::RingHeader* header_;
+  detail::ReaderSlot* readers_;
+  detail::ChunkSlot* chunks_;
+  uint8_t* payload_;
+  uint64_t stride_;
+  uint64_t identity_;
+  uint64_t next_seq_ = 1;
+  bool acquired_ = false;
+  int64_t last_liveness_check_ns_ = 0;
+};
+
+/// One reader rank of a ring. Not thread-safe: one thread drives it.
+class RingReader {
+ public:
+  enum class Status { kOk, kTimeout, kShutdown };
+
+  /// Attaches as reader `rank`, recording this process's identity for dead-reader detection.
+  /// Throws OutOfRange for a bad rank, InvalidArgument if the block is not a ring or the rank
+  /// is or was taken (ranks are never re-attached).
+  RingReader(void* base, size_t bytes, uint32_t rank);
+  /// Detaches: the writer stops waiting for this rank.
+  ~RingReader();
+  RingReader(const RingReader&) = delete;
+  RingReader& operator=(const RingReader&) = delete;
+
+  /// Waits for the next message in order, at most `timeout_ns` (< 0: no limit). On kOk the
+  /// message stays valid until release(). After shutdown() the messages already published are
+  /// still delivered, then kShutdown. Throws ShmError if the writer dropped this reader.
+  Status acquire(int64_t timeout_ns, const uint8_t** data, uint64_t* nbytes, uint32_t* flags);
+  /// Hands the message from the last successful acquire back to the writer.
+  void release();
+
+  uint32_t rank() const { return rank_; }
+  /// Messages released so far (the sequence number of the last one).
+  uint64_t consumed() const { return last_seq_; }
+  const RingConfig& config() const { return config_; }
+
+ private:
+  [[noreturn]] void throw_overrun(uint64_t found) const;
+
+  RingConfig config_;
+  detail::RingHeader* header_;
+  detail::ReaderSlot* slot_;
+  detail::ChunkSlot* chunks_;
+  const uint8_t* payload_;
+  uint64_t stride_;
+  uint64_t identity_;
+  uint32_t rank_;
+  bool spin_;
+  uint64_t last_seq_ = 0;
+  bool acquired_ = false;
+};
+
+}  // namespace vllm_shm_arena

@@ -1,0 +1,183 @@
+#include "core/shm_region.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+
+#include "core/errors.h"
+
+namespace vllm_shm_arena {
+
+namespace {
+
+std::string human_bytes(uint64_t b) {
+  char buf[64];
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  if (b >= (1ull << 30)) {
+    std::snprintf(buf, sizeof(buf), "%.2f GiB", b / gib);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.1f MiB", b / (1024.0 * 1024.0));
+  }
+  return buf;
+}
+
+// A name is a single path component: no '/', no "..", not empty, reasonably short.
+void check_name(const std::string& name) {
+  if (name.empty() || name.size() > 200 || name.find('/') != std::string::npos ||
+      name == "." || name == "..") {
+    throw InvalidArgument("shared-memory name '" + name +
+                          "' is not a valid segment name (one path component, no '/')");
+  }
+}
+
+std::string random_hex128() {
+  unsigned char raw[16];
+  size_t got = 0;
+  while (got < sizeof(raw)) {
+    ssize_t n = ::getrandom(raw + got, sizeof(raw) - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      throw ShmError(errno_message("getrandom", errno));
+    }
+    got += static_cast<size_t>(n);
+  }
+  static const char* kHex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : raw) {
+    out.push_back(kHex[c >> 4]);
+    out.push_back(kHex[c & 15]);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string ShmRegion::default_dir() {
+  const char* env = std::getenv("VLLM_SHM_ARENA_SHM_DIR");
+  return (env != nullptr && env[0] != '\0') ? std::string(env) : std::string("/dev/shm");
+}
+
+uint64_t ShmRegion::free_bytes(const std::string& dir) {
+  struct statvfs st;
+  if (::statvfs(dir.c_str(), &st) != 0) {
+    throw ShmError(errno_message("statvfs(" + dir + ")", errno) +
+                   "; is the shared-memory directory mounted?");
+  }
+  return static_cast<uint64_t>(st.f_bavail) * static_cast<uint64_t>(st.f_frsize);
+}
+
+void ShmRegion::check_free_space(const std::string& dir, uint64_t bytes) {
+  uint64_t free = free_bytes(dir);
+  if (free < bytes) {
+    throw ShmError("not enough shared memory in " + dir + ": the arena needs " +
+                   human_bytes(bytes) + " but only " + human_bytes(free) +
+                   " is free. Enlarge it (Docker: --shm-size=" +
+                   std::to_string((bytes >> 30) + 2) +
+                   "g; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm; "
+                   "bare metal: mount -o remount,size=<N>G " +
+                   dir + ") or use fewer/smaller slots.");
+  }
+}
+
+ShmRegion::ShmRegion(std::string name, std::string dir, int fd, uint8_t* base, uint64_t size)
+    : name_(std::move(name)), dir_(std::move(dir)), fd_(fd), base_(base), size_(size) {}
+
+std::shared_ptr<ShmRegion> ShmRegion::create(uint64_t bytes, const std::string& prefix,
+                                             const std::string& dir) {
+  if (bytes == 0) throw InvalidArgument("shared-memory size must be > 0, got 0");
+  check_name(prefix + "x");
+  check_free_space(dir, bytes);
+  std::string name = prefix + random_hex128();
+  std::string path = dir + "/" + name;
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) throw ShmError(errno_message("creating shared memory " + path, errno));
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    int err = errno;
+    ::close(fd);
+    ::unlink(path.c_str());
+    throw ShmError(errno_message("sizing shared memory " + path, err));
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    int err = errno;
+    ::close(fd);
+    ::unlink(path.c_str());
+    throw ShmError(errno_message("mapping shared memory " + path, err));
+  }
+  return std::shared_ptr<ShmRegion>(
+      new ShmRegion(std::move(name), dir, fd, static_cast<uint8_t*>(p), bytes));
+}
+
+std::shared_ptr<ShmRegion> ShmRegion::attach(const std::string& name, const std::string& dir,
+                                             uint64_t min_bytes) {
+  check_name(name);
+  std::string path = dir + "/" + name;
+  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) {
+    int err = errno;
+    throw ShmError(errno_message("attaching shared memory '" + name + "' (" + path + ")", err) +
+                   (err == ENOENT ? "; the writer is gone or already unlinked it" : ""));
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    throw ShmError(errno_message("fstat " + path, err));
+  }
+  uint64_t bytes = static_cast<uint64_t>(st.st_size);
+  if (bytes == 0 || bytes < min_bytes) {
+    ::close(fd);
+    throw InvalidArgument("shared memory '" + name + "' is " + std::to_string(bytes) +
+                          " bytes, smaller than the " + std::to_string(min_bytes) +
+                          " bytes its header needs: not an arena, or truncated");
+  }
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    int err = errno;
+    ::close(fd);
+    throw ShmError(errno_message("mapping shared memory " + path, err));
+  }
+  return std::shared_ptr<ShmRegion>(
+      new ShmRegion(name, dir, fd, static_cast<uint8_t*>(p), bytes));
+}
+
+ShmRegion::~ShmRegion() {
+  if (base_ != nullptr) ::munmap(base_, size_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void ShmRegion::unlink() {
+  if (unlinked_) return;
+  unlinked_ = true;
+  std::string path = dir_ + "/" + name_;
+  ::unlink(path.c_str());  // ENOENT is fine: someone else already removed the name.
+}
+
+bool ShmRegion::reserve(uint64_t offset, uint64_t len) {
+  if (len == 0) return true;
+  if (offset > size_ || len > size_ - offset) {
+    throw OutOfRange("reserve range [" + std::to_string(offset) + ", +" + std::to_string(len) +
+                     ") is outside the " + std::to_string(size_) + "-byte region");
+  }
+  int rc;
+  do {
+    rc = ::fallocate(fd_, 0, static_cast<off_t>(offset), static_cast<off_t>(len));
+  } while (rc != 0 && errno == EINTR);
+  if (rc == 0) return true;
+  if (errno == ENOSPC || errno == EFBIG || errno == ENOMEM) return false;
+  if (errno == EOPNOTSUPP) {
+    // A filesystem without fallocate: fall back to a free-space estimate, which can race
+    // with other users but still turns the common case into a decline instead of SIGBUS.
+    return free_bytes(dir_) >= len;
+  }
+  throw ShmError(errno_message("fallocate on shared memory " + name_, errno));
+}
+
+}  // namespace vllm_shm_arena

@@ -1,0 +1,74 @@
+// A POSIX shared-memory segment: created by one process, attached by name by others.
+//
+// On Linux shm_open(3) is open(2) on a file under /dev/shm, so the region opens files in a
+// directory that defaults to /dev/shm and can be pointed elsewhere (VLLM_SHM_ARENA_SHM_DIR, or
+// the `dir` argument) — tests use that to run against a small tmpfs.
+//
+// Pages stay lazy: creation only sizes the file (ftruncate), nothing is touched. Before a
+// writer first fills a range it calls reserve(), which fallocate()s the pages: on a full
+// tmpfs that fails with ENOSPC and the caller declines, where a plain store into a sparse
+// page would have raised SIGBUS.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace vllm_shm_arena {
+
+/// One mapped shared-memory segment. Unmapped (and its fd closed) on destruction; the name is
+/// removed only by unlink(), after which existing mappings stay valid.
+class ShmRegion {
+ public:
+  /// The directory shared-memory names live in: $VLLM_SHM_ARENA_SHM_DIR or /dev/shm.
+  static std::string default_dir();
+
+  /// Throws ShmError unless `dir` has at least `bytes` free, saying how much is needed, how
+  /// much is free, and how to make room.
+  static void check_free_space(const std::string& dir, uint64_t bytes);
+
+  /// Bytes free in `dir` for an unprivileged writer (statvfs f_bavail).
+  static uint64_t free_bytes(const std::string& dir);
+
+  /// Creates a new segment named `<prefix><32 random hex digits>` (128 bits) with
+  /// O_CREAT|O_EXCL and mode 0600, sized to `bytes`, and maps it read-write.
+  static std::shared_ptr<ShmRegion> create(uint64_t bytes, const std::string& prefix = "vsa_",
+                                           const std::string& dir = default_dir());
+
+  /// Maps an existing segment by name. Throws ShmError if it does not exist or can't be
+  /// mapped, InvalidArgument if the name is malformed or the segment is smaller than
+  /// `min_bytes`.
+  static std::shared_ptr<ShmRegion> attach(const std::string& name,
+                                           const std::string& dir = default_dir(),
+                                           uint64_t min_bytes = 0);
+
+  ~ShmRegion();
+  ShmRegion(const ShmRegion&) = delete;
+  ShmRegion& operator=(const ShmRegion&) = delete;
+
+  /// Removes the name from the directory; idempotent. Mappings stay valid.
+  void unlink();
+
+  /// Allocates the backing pages of [offset, offset+len) with fallocate(2). Returns false if
+  /// the filesystem has no room (ENOSPC); throws ShmError on any other failure.
+  bool reserve(uint64_t offset, uint64_t len);
+
+  uint8_t* data() const { return base_; }
+  uint64_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+  const std::string& dir() const { return dir_; }
+  bool unlinked() const { return unlinked_; }
+
+ private:
+  ShmRegion(std::string name, std::string dir, int fd, uint8_t* base, uint64_t size);
+
+  std::string name_;
+  std::string dir_;
+  int fd_ = -1;
+  uint8_t* base_ = nullptr;
+  uint64_t size_ = 0;
+  bool unlinked_ = false;
+};
+
+}  // namespace vllm_shm_arena
