@@ -30,6 +30,7 @@
  *   fake_cudart_last_event_flags()           flags of the latest cudaEventCreateWithFlags
  *   fake_cudart_peek_last_error()            the last error, without clearing it
  */
+#define _POSIX_C_SOURCE 200809L /* nanosleep */
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>

@@ -1,0 +1,528 @@
+// The whole C++ <-> Python surface of vllm_shm_arena._C. Everything below the bindings lives
+// in csrc/core and knows no torch; this file turns allocation records into at::Tensors and
+// back. The exported functions are listed, one line each, in PYBIND11_MODULE at the bottom.
+#include <Python.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/extension.h>
+
+#include <array>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/copy_pool.h"
+#include "core/cuda_shim.h"
+#include "core/errors.h"
+#include "core/pin_registry.h"
+#include "core/release_gate.h"
+
+#ifndef VSA_TORCH_VERSION
+#define VSA_TORCH_VERSION "unknown"
+#endif
+
+namespace py = pybind11;
+
+namespace vllm_shm_arena {
+
+namespace {
+
+const char* kDeclineNames[] = {"too_small",    "not_contiguous", "oversize",
+                               "no_free_slot", "no_space",       "unsupported"};
+static_assert(sizeof(kDeclineNames) / sizeof(kDeclineNames[0]) ==
+                  static_cast<size_t>(DeclineReason::kCount),
+              "every decline reason needs a stats() key");
+
+// Why a tensor can't go into the arena as raw bytes, or nullopt if it can.
+std::optional<DeclineReason> arena_unsuitable(const at::Tensor& t) {
+  if (!t.defined() || t.device().type() != c10::DeviceType::CPU ||
+      t.layout() != c10::Layout::Strided || t.is_quantized() || t.is_conj() || t.is_neg()) {
+    return DeclineReason::kUnsupported;
+  }
+  if (!t.is_contiguous()) return DeclineReason::kNotContiguous;
+  return std::nullopt;
+}
+
+uint64_t tensor_nbytes(const at::Tensor& t) {
+  return static_cast<uint64_t>(t.numel()) * static_cast<uint64_t>(t.element_size());
+}
+
+// Bytes of a (dtype, shape), checking every dimension and the product for overflow.
+uint64_t checked_nbytes(at::ScalarType dtype, const std::vector<int64_t>& shape) {
+  uint64_t n = c10::elementSize(dtype);
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] < 0) {
+      throw InvalidArgument("shape[" + std::to_string(i) + "] is negative: " +
+                            std::to_string(shape[i]));
+    }
+    uint64_t d = static_cast<uint64_t>(shape[i]);
+    if (d != 0 && n > (uint64_t{1} << 62) / d) {
+      throw InvalidArgument("shape " + c10::str(c10::IntArrayRef(shape)) + " is too large");
+    }
+    n *= d;
+  }
+  return n;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Writer side
+
+/// The arena's writer, as Python sees it: tensors in, (slot, generation) out.
+class TensorArenaWriter {
+ public:
+  TensorArenaWriter(uint32_t n_readers, uint32_t num_slots, uint64_t slot_bytes,
+                    const std::string& dir) {
+    ArenaConfig cfg;
+    cfg.n_readers = n_readers;
+    cfg.num_slots = num_slots;
+    cfg.slot_bytes = slot_bytes;
+    if (!dir.empty()) cfg.dir = dir;
+    writer_ = ArenaWriter::create(cfg);
+  }
+
+  /// Copies a suitable tensor into a free slot (GIL released during the copy).
+  std::optional<std::tuple<uint32_t, uint64_t>> write_tensor(const at::Tensor& t) {
+    if (auto why = arena_unsuitable(t)) {
+      writer_->count_decline(*why);
+      return std::nullopt;
+    }
+    return write_checked(t);
+  }
+
+  /// write_tensor for a tensor already known to be suitable; callable without the GIL.
+  std::optional<std::tuple<uint32_t, uint64_t>> write_checked(const at::Tensor& t) {
+    std::optional<Allocation> a = writer_->write(t.data_ptr(), tensor_nbytes(t));
+    if (!a) return std::nullopt;
+    return std::make_tuple(a->record, a->generation);
+  }
+
+  void count_decline(DeclineReason why) { writer_->count_decline(why); }
+  void abort(uint32_t slot, uint64_t generation) {
+    Allocation a;
+    a.record = slot;
+    a.generation = generation;
+    writer_->abort(a);
+  }
+
+  py::dict stats() const {
+    WriterStats s = writer_->stats();
+    py::dict declined;
+    for (size_t i = 0; i < static_cast<size_t>(DeclineReason::kCount); ++i) {
+      declined[kDeclineNames[i]] = s.declined[i];
+    }
+    py::dict d;
+    d["hits"] = s.hits;
+    d["bytes"] = s.bytes;
+    d["declined"] = declined;
+    d["cold_copies"] = s.cold_copies;
+    d["warm_copies"] = s.warm_copies;
+    d["cold_bytes"] = s.cold_bytes;
+    d["warm_bytes"] = s.warm_bytes;
+    d["reclaimed"] = s.reclaimed;
+    d["dead_readers"] = s.dead_readers;
+    d["aborted"] = s.aborted;
+    d["in_use"] = s.in_use;
+    d["num_slots"] = writer_->max_records();
+    d["slot_bytes"] = writer_->max_allocation();
+    return d;
+  }
+
+  py::list holdings() const {
+    static const char* kStates[] = {"never_attached", "attached", "detached", "dead"};
+    py::list out;
+    for (const ReaderHolding& h : writer_->holdings()) {
+      py::dict d;
+      d["rank"] = h.rank;
+      d["state"] = kStates[static_cast<uint32_t>(h.state) & 3];
+      d["slots_held"] = h.records_held;
+      d["oldest_age_s"] = h.oldest_age_seconds;
+      out.append(d);
+    }
+    return out;
+  }
+
+  size_t reclaim(bool check_liveness) { return writer_->reclaim(check_liveness); }
+  std::string name() const { return writer_->name(); }
+  std::string dir() const { return writer_->region()->dir(); }
+  uint64_t max_allocation() const { return writer_->max_allocation(); }
+  uint32_t n_readers() const { return writer_->n_readers(); }
+  void unlink() { writer_->unlink(); }
+
+ private:
+  std::unique_ptr<ArenaWriter> writer_;
+};
+
+// ---------------------------------------------------------------------------------------
+// Reader side
+
+/// One reader rank: builds zero-copy tensors over slots and releases them when the last
+/// view dies (after the DMA that reads them, when the memory is pinned).
+class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader> {
+ public:
+  TensorArenaReader(const std::string& name, uint32_t rank, const std::string& dir,
+                    uint64_t pin_chunk_bytes)
+      : reader_(ArenaReader::attach(name, rank, dir.empty() ? ShmRegion::default_dir() : dir)),
+        pin_chunk_bytes_(pin_chunk_bytes) {}
+
+  ~TensorArenaReader() {
+    // Unregister before the mapping (owned by reader_) can go away.
+    std::lock_guard<std::mutex> lock(mu_);
+    pins_.reset();
+  }
+
+  /// A tensor whose storage is the slot; zero bytes copied.
+  at::Tensor get_tensor(uint32_t slot, uint64_t generation, uint64_t nbytes, at::ScalarType dtype,
+                        const std::vector<int64_t>& shape, bool cuda_context) {
+    uint64_t expect = checked_nbytes(dtype, shape);
+    if (expect != nbytes) {
+      throw InvalidArgument("nbytes " + std::to_string(nbytes) + " does not match shape " +
+                            c10::str(c10::IntArrayRef(shape)) + " x itemsize " +
+                            std::to_string(c10::elementSize(dtype)) + " = " +
+                            std::to_string(expect));
+    }
+    if (slot >= reader_->max_records()) {
+      throw OutOfRange("slot_idx " + std::to_string(slot) + " out of range [0, " +
+                       std::to_string(reader_->max_records()) + ") in arena '" +
+                       reader_->name() + "'");
+    }
+    if (nbytes > reader_->max_allocation()) {
+      throw InvalidArgument("nbytes " + std::to_string(nbytes) + " is larger than a slot (" +
+                            std::to_string(reader_->max_allocation()) + " bytes)");
+    }
+    if (generation == 0) generation = reader_->published_generation(slot);
+    const uint8_t* p = reader_->acquire(slot, generation, nbytes);
+    bool gated = false;
+    if (cuda_context && nbytes > 0) gated = pin(p, nbytes);
+    auto self = shared_from_this();
+    uint64_t token = (generation << 20) | slot;
+    auto deleter = [self, slot, generation, token, gated](void*) {
+      if (gated) {
+        self->gate_->freed(token);
+      } else {
+        self->reader_->release(slot, generation);
+      }
+    };
+    auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
+    try {
+      return at::from_blob(const_cast<uint8_t*>(p), shape, deleter, options);
+    } catch (...) {
+      reader_->release(slot, generation);
+      throw;
+    }
+  }
+
+  /// Releases slots whose tensors died and whose DMA (if pinned) has completed.
+  size_t flush_releases(uintptr_t stream) {
+    std::shared_ptr<ReleaseGate> gate;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      gate = gate_;
+    }
+    if (!gate) return 0;
+    auto reader = reader_;
+    return gate->flush(reinterpret_cast<void*>(stream), [reader](uint64_t token) {
+      reader->release(static_cast<uint32_t>(token & ((1u << 20) - 1)), token >> 20);
+    });
+  }
+
+  void release_unacquired(uint32_t slot, uint64_t generation) {
+    reader_->release_unacquired(slot, generation);
+  }
+
+  py::dict stats() const {
+    py::dict d;
+    d["held"] = reader_->held();
+    std::lock_guard<std::mutex> lock(mu_);
+    d["pinned_bytes"] = pins_ ? pins_->pinned_bytes() : 0;
+    d["pin_failed"] = pins_ ? pins_->failed() : false;
+    d["pin_registrations"] = pins_ ? pins_->stats().registrations : 0;
+    d["pin_seconds"] = pins_ ? pins_->stats().register_seconds : 0.0;
+    d["pending_releases"] = gate_ ? gate_->pending() : 0;
+    return d;
+  }
+
+  bool is_pinned(uint64_t offset, uint64_t len) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pins_ && pins_->is_pinned(reader_->region()->data() + offset, len);
+  }
+
+  std::string name() const { return reader_->name(); }
+  uint32_t rank() const { return reader_->rank(); }
+  uint32_t num_slots() const { return reader_->max_records(); }
+  uint64_t slot_bytes() const { return reader_->max_allocation(); }
+  void detach() { reader_->detach(); }
+
+ private:
+  // Pins the chunks under [p, p+n) on first use; true when the range is pinned (and its
+  // release must then wait for the DMA).
+  bool pin(const uint8_t* p, uint64_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!pins_ && !pin_disabled_) {
+      std::shared_ptr<CudaRuntime> rt = CudaRuntime::find();
+      if (!rt) {
+        pin_disabled_ = true;  // a context without a runtime we can see: stay unpinned
+        return false;
+      }
+      const auto& region = reader_->region();
+      // Pin only the data region (from the first slot, 2 MiB aligned) up to the end.
+      uint64_t data_off = region->size() - reader_->max_allocation() * reader_->max_records();
+      data_off = data_off / kDataAlign * kDataAlign;
+      pins_ = std::make_unique<PinRegistry>(rt, region->data() + data_off,
+                                            region->size() - data_off, pin_chunk_bytes_);
+      gate_ = std::make_shared<ReleaseGate>(rt);
+    }
+    if (!pins_) return false;
+    return pins_->ensure(p, n);
+  }
+
+  std::shared_ptr<ArenaReader> reader_;
+  uint64_t pin_chunk_bytes_;
+  mutable std::mutex mu_;
+  bool pin_disabled_ = false;
+  std::shared_ptr<ReleaseGate> gate_;
+  std::unique_ptr<PinRegistry> pins_;  // declared after reader_: destroyed (unregistered) first
+};
+
+// ---------------------------------------------------------------------------------------
+// Out-of-band rebuild: a tensor over a received buffer, zero-copy.
+
+at::Tensor tensor_from_buffer(py::object buffer, at::ScalarType dtype,
+                              const std::vector<int64_t>& shape) {
+  auto view = std::make_unique<Py_buffer>();
+  if (PyObject_GetBuffer(buffer.ptr(), view.get(), PyBUF_SIMPLE) != 0) {
+    throw py::error_already_set();
+  }
+  uint64_t expect = checked_nbytes(dtype, shape);
+  if (static_cast<uint64_t>(view->len) != expect) {
+    uint64_t got = static_cast<uint64_t>(view->len);
+    PyBuffer_Release(view.get());
+    throw InvalidArgument("buffer has " + std::to_string(got) + " bytes, shape " +
+                          c10::str(c10::IntArrayRef(shape)) + " needs " +
+                          std::to_string(expect));
+  }
+  void* data = view->buf;
+  Py_buffer* raw = view.release();
+  auto deleter = [raw](void*) {
+    if (!Py_IsInitialized()) return;  // interpreter gone: leak rather than crash
+    py::gil_scoped_acquire gil;
+    PyBuffer_Release(raw);
+    delete raw;
+  };
+  return at::from_blob(data, shape, deleter, at::TensorOptions().dtype(dtype));
+}
+
+// ---------------------------------------------------------------------------------------
+// The pickler's per-object check, as a C-level callable (see vllm_shm_arena/pickler.py for
+// the Python reference it mirrors). Non-tensors return NotImplemented after one pointer
+// comparison, which is what keeps pickling of tensor-free messages at full speed.
+
+struct ReducerState {
+  std::shared_ptr<TensorArenaWriter> writer;
+  py::object tensor_type, param_type;
+  py::object rebuild_tensor, rebuild_param;
+  py::object arena_name;
+  py::object diverted;  // a list; (slot, generation) appended per diversion
+  std::array<py::object, static_cast<size_t>(at::ScalarType::NumOptions)> dtype_names;
+  uint64_t min_bytes = 0;
+};
+
+PyObject* reducer_call(PyObject* capsule, PyObject* obj) {
+  auto* st = static_cast<ReducerState*>(PyCapsule_GetPointer(capsule, "vsa.reducer"));
+  if (st == nullptr) return nullptr;
+  PyObject* tp = reinterpret_cast<PyObject*>(Py_TYPE(obj));
+  PyObject* rebuild;
+  if (tp == st->tensor_type.ptr()) {
+    rebuild = st->rebuild_tensor.ptr();
+  } else if (tp == st->param_type.ptr()) {
+    rebuild = st->rebuild_param.ptr();
+  } else {
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  try {
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (t.device().type() != c10::DeviceType::CPU || t.layout() != c10::Layout::Strided) {
+      Py_RETURN_NOTIMPLEMENTED;  // not host bytes: the out-of-band path decides
+    }
+    uint64_t nbytes = tensor_nbytes(t);
+    if (nbytes < st->min_bytes) {
+      st->writer->count_decline(DeclineReason::kTooSmall);
+      Py_RETURN_NOTIMPLEMENTED;
+    }
+    if (t.requires_grad()) {
+      st->writer->count_decline(DeclineReason::kUnsupported);
+      Py_RETURN_NOTIMPLEMENTED;
+    }
+    if (auto why = arena_unsuitable(t)) {
+      st->writer->count_decline(*why);
+      Py_RETURN_NOTIMPLEMENTED;
+    }
+    const py::object& dtype_name = st->dtype_names[static_cast<size_t>(t.scalar_type())];
+    if (!dtype_name) {
+      st->writer->count_decline(DeclineReason::kUnsupported);
+      Py_RETURN_NOTIMPLEMENTED;
+    }
+    std::optional<std::tuple<uint32_t, uint64_t>> res;
+    {
+      py::gil_scoped_release nogil;
+      res = st->writer->write_checked(t);
+    }
+    if (!res) Py_RETURN_NOTIMPLEMENTED;
+    auto [slot, gen] = *res;
+    py::tuple key = py::make_tuple(slot, gen);
+    if (PyList_Append(st->diverted.ptr(), key.ptr()) != 0) {
+      st->writer->abort(slot, gen);
+      return nullptr;
+    }
+    py::tuple shape(t.dim());
+    for (int64_t i = 0; i < t.dim(); ++i) shape[i] = py::int_(t.size(i));
+    py::tuple args = py::make_tuple(st->arena_name, slot, gen, nbytes, dtype_name, shape);
+    return py::make_tuple(py::reinterpret_borrow<py::object>(rebuild), args).release().ptr();
+  } catch (py::error_already_set& e) {
+    e.restore();
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyMethodDef kReducerDef = {"reducer_override", reducer_call, METH_O,
+                           "C-level _ArenaPickler.reducer_override"};
+
+py::object make_reducer(std::shared_ptr<TensorArenaWriter> writer, py::object tensor_type,
+                        py::object param_type, py::object rebuild_tensor,
+                        py::object rebuild_param, py::dict dtype_names, uint64_t min_bytes,
+                        py::list diverted) {
+  auto st = std::make_unique<ReducerState>();
+  st->writer = std::move(writer);
+  st->tensor_type = tensor_type;
+  st->param_type = param_type;
+  st->rebuild_tensor = rebuild_tensor;
+  st->rebuild_param = rebuild_param;
+  st->arena_name = py::str(st->writer->name());
+  st->diverted = diverted;
+  st->min_bytes = min_bytes;
+  for (auto item : dtype_names) {
+    auto dtype = item.first.cast<at::ScalarType>();
+    st->dtype_names[static_cast<size_t>(dtype)] = py::reinterpret_borrow<py::object>(item.second);
+  }
+  PyObject* cap = PyCapsule_New(st.get(), "vsa.reducer", [](PyObject* c) {
+    delete static_cast<ReducerState*>(PyCapsule_GetPointer(c, "vsa.reducer"));
+  });
+  if (cap == nullptr) throw py::error_already_set();
+  st.release();
+  py::object capsule = py::reinterpret_steal<py::object>(cap);
+  PyObject* fn = PyCFunction_New(&kReducerDef, capsule.ptr());
+  if (fn == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(fn);
+}
+
+}  // namespace vllm_shm_arena
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace vllm_shm_arena;
+  m.doc() = "vllm_shm_arena._C: shared-memory tensor arena (torch-free core + bindings)";
+
+  // Core errors: caller mistakes become ValueError/IndexError, environment problems OSError.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const ShmError& e) {
+      PyErr_SetString(PyExc_OSError, e.what());
+    }
+  });
+
+  // The torch version this build was compiled against (checked by the package at import).
+  m.attr("TORCH_VERSION") = VSA_TORCH_VERSION;
+
+  py::class_<TensorArenaWriter, std::shared_ptr<TensorArenaWriter>>(m, "ArenaWriter")
+      // Creates the region (checking free space in `dir`, "" = default /dev/shm).
+      .def(py::init<uint32_t, uint32_t, uint64_t, const std::string&>(), py::arg("n_readers"),
+           py::arg("num_slots"), py::arg("slot_bytes"), py::arg("dir") = "")
+      // Copies a tensor into a free slot -> (slot, generation), or None when declined.
+      .def("write_tensor", &TensorArenaWriter::write_tensor, py::arg("tensor"),
+           py::call_guard<py::gil_scoped_release>())
+      // Gives back an allocation whose stub never left this process.
+      .def("abort", &TensorArenaWriter::abort, py::arg("slot"), py::arg("generation"))
+      // Counts a decline decided in Python, by stats() key.
+      .def("count_decline",
+           [](TensorArenaWriter& w, const std::string& key) {
+             for (size_t i = 0; i < static_cast<size_t>(DeclineReason::kCount); ++i) {
+               if (key == kDeclineNames[i]) return w.count_decline(static_cast<DeclineReason>(i));
+             }
+             throw InvalidArgument("unknown decline reason '" + key + "'");
+           })
+      // Recycles slots every reader released (checking liveness of blockers if asked).
+      .def("reclaim", &TensorArenaWriter::reclaim, py::arg("check_liveness") = false)
+      // Counters: hits, bytes, declined{...}, cold/warm copies, reclaimed, dead_readers...
+      .def("stats", &TensorArenaWriter::stats)
+      // Per reader: state, slots held, age of the oldest.
+      .def("holdings", &TensorArenaWriter::holdings)
+      // Removes the shm name; mappings stay valid.
+      .def("unlink", &TensorArenaWriter::unlink)
+      .def_property_readonly("name", &TensorArenaWriter::name)
+      .def_property_readonly("dir", &TensorArenaWriter::dir)
+      .def_property_readonly("slot_bytes", &TensorArenaWriter::max_allocation)
+      .def_property_readonly("n_readers", &TensorArenaWriter::n_readers);
+
+  py::class_<TensorArenaReader, std::shared_ptr<TensorArenaReader>>(m, "ArenaReader")
+      // Attaches reader `rank` of arena `name`; pins lazily in chunks of `pin_chunk_bytes`.
+      .def(py::init<const std::string&, uint32_t, const std::string&, uint64_t>(),
+           py::arg("name"), py::arg("rank"), py::arg("dir") = "",
+           py::arg("pin_chunk_bytes") = PinRegistry::kDefaultChunkBytes)
+      // Zero-copy tensor over a slot; generation 0 = whatever the slot holds now.
+      .def("get_tensor", &TensorArenaReader::get_tensor, py::arg("slot"), py::arg("generation"),
+           py::arg("nbytes"), py::arg("dtype"), py::arg("shape"), py::arg("cuda_context"))
+      // Releases freed slots whose DMA completed; `stream` is a cudaStream_t as an int.
+      .def("flush_releases", &TensorArenaReader::flush_releases, py::arg("stream") = 0,
+           py::call_guard<py::gil_scoped_release>())
+      // Releases a slot named in a message this reader failed to unpickle.
+      .def("release_unacquired", &TensorArenaReader::release_unacquired, py::arg("slot"),
+           py::arg("generation"))
+      // held, pinned_bytes, pending_releases, pin statistics.
+      .def("stats", &TensorArenaReader::stats)
+      // Whether [offset, offset+len) of the region is page-locked.
+      .def("is_pinned", &TensorArenaReader::is_pinned)
+      // Stops the writer waiting for this rank (also done when the object dies).
+      .def("detach", &TensorArenaReader::detach)
+      .def_property_readonly("name", &TensorArenaReader::name)
+      .def_property_readonly("rank", &TensorArenaReader::rank)
+      .def_property_readonly("num_slots", &TensorArenaReader::num_slots)
+      .def_property_readonly("slot_bytes", &TensorArenaReader::slot_bytes);
+
+  // Zero-copy tensor over a Python buffer (a received ZeroMQ frame); keeps the buffer alive.
+  m.def("tensor_from_buffer", &tensor_from_buffer, py::arg("buffer"), py::arg("dtype"),
+        py::arg("shape"));
+  // The C-level reducer_override installed on _ArenaPickler instances.
+  m.def("make_reducer", &make_reducer);
+  // The parallel copy (for benchmarks and tests): dst/src are tensors, whole bytes.
+  m.def("parallel_copy", [](at::Tensor& dst, const at::Tensor& src) {
+    TORCH_CHECK_VALUE(dst.is_contiguous() && src.is_contiguous(), "tensors must be contiguous");
+    TORCH_CHECK_VALUE(dst.nbytes() >= src.nbytes(), "dst is smaller than src");
+    py::gil_scoped_release nogil;
+    parallel_copy(dst.data_ptr(), src.data_ptr(), src.nbytes());
+  });
+  // Threads a copy may use (0 = automatic) and the size below which one memcpy is used.
+  m.def("set_copy_threads", &set_copy_threads);
+  m.def("set_min_parallel_bytes", &set_min_parallel_bytes);
+  // Bytes free in a shm directory, and the check that raises when too few are.
+  m.def("shm_free_bytes", &ShmRegion::free_bytes);
+  m.def("check_shm_free_space", &ShmRegion::check_free_space);
+  m.def("default_shm_dir", &ShmRegion::default_dir);
+  // Bytes a whole arena region needs (header, tables and slots).
+  m.def("arena_region_bytes", [](uint32_t n_readers, uint32_t num_slots, uint64_t slot_bytes) {
+    ArenaConfig cfg;
+    cfg.n_readers = n_readers;
+    cfg.num_slots = num_slots;
+    cfg.slot_bytes = slot_bytes;
+    return arena_region_bytes(cfg);
+  });
+  // Whether the process has a CUDA runtime loaded that the shim can use (never loads one).
+  m.def("cuda_runtime_found", [] { return CudaRuntime::find() != nullptr; });
+}

@@ -1,0 +1,304 @@
+"""The arena's Python face: ``ShmTensorArena`` and the reader-side rebuild hooks.
+
+Knows no transport: a writer hands out ``(slot, generation)`` pairs, something else carries
+them, and a reader with the same arena attached turns them back into tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from vllm_shm_arena._ext import _C
+
+#: Default geometry (the design document's internal constants).
+DEFAULT_NUM_SLOTS = 8
+DEFAULT_SLOT_BYTES = 256 << 20
+#: Tensors smaller than this take the out-of-band path (a slot copy doesn't pay below it).
+MIN_BYTES = 8 << 20
+
+# Name <-> dtype for every dtype a stub may carry. Built from torch's own attributes so new
+# dtypes (fp8 variants, unsigned ints) are picked up without a list to maintain. Quantized
+# dtypes are left out: their bytes alone don't describe the tensor.
+_NAME_BY_DTYPE: dict[torch.dtype, str] = {}
+for _obj in vars(torch).values():
+    if isinstance(_obj, torch.dtype) and not str(_obj).startswith("torch.q"):
+        _NAME_BY_DTYPE[_obj] = str(_obj).removeprefix("torch.")
+_DTYPE_BY_NAME: dict[str, torch.dtype] = {n: d for d, n in _NAME_BY_DTYPE.items()}
+del _obj
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype for a stub's dtype string; ``ValueError`` if there is none."""
+    dt = _DTYPE_BY_NAME.get(name) if isinstance(name, str) else None
+    if dt is None:
+        raise ValueError(f"unknown dtype string {name!r} in an arena stub")
+    return dt
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The stub string for a dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return _NAME_BY_DTYPE[dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class ArenaHandle:
+    """What a reader needs to attach: small and picklable (it rides in the queue Handle)."""
+
+    name: str
+    n_readers: int
+    num_slots: int
+    slot_bytes: int
+    dir: str
+
+
+#: This process's attached reader arenas by shm name. Weak values: an entry disappears when
+#: nothing else holds the arena, so the registry never keeps a mapping (or its pinning) alive.
+_TENSOR_ARENAS: weakref.WeakValueDictionary[str, ShmTensorArena] = weakref.WeakValueDictionary()
+
+_cuda_seen = False
+
+
+def _cuda_context() -> bool:
+    """Whether this process already has a CUDA context (never creates one). Sticky once true."""
+    global _cuda_seen
+    if not _cuda_seen and torch.cuda.is_available() and torch.cuda.is_initialized():
+        _cuda_seen = True
+    return _cuda_seen
+
+
+class ShmTensorArena:
+    """A shared-memory region of ``num_slots`` x ``slot_bytes`` for one writer and N readers.
+
+    The writer (``create``) copies a tensor into a free slot once; every reader (``attach``)
+    gets a zero-copy tensor over the same slot. The slot comes back when every reader's last
+    view of it has died (and, when the reader pinned the memory for CUDA, the DMA reading it
+    has completed). The writer never blocks: no free slot, too big, unsupported -> ``None``.
+    """
+
+    def __init__(self, writer=None, reader=None, handle: ArenaHandle | None = None):
+        # Use create() / attach(); this constructor wraps an already built _C object.
+        self._writer = writer
+        self._reader = reader
+        self._handle = handle
+        self._closed = False
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- construction
+    @classmethod
+    def create(
+        cls,
+        n_readers: int,
+        num_slots: int = DEFAULT_NUM_SLOTS,
+        slot_bytes: int = DEFAULT_SLOT_BYTES,
+        *,
+        shm_dir: str | None = None,
+    ) -> ShmTensorArena:
+        """Creates a new arena as its writer. Raises ``OSError`` if ``/dev/shm`` is too small."""
+        if n_readers < 1:
+            raise ValueError(f"n_readers must be >= 1, got {n_readers}")
+        w = _C.ArenaWriter(n_readers, num_slots, slot_bytes, shm_dir or "")
+        handle = ArenaHandle(w.name, n_readers, num_slots, w.slot_bytes, w.dir)
+        return cls(writer=w, handle=handle)
+
+    @classmethod
+    def attach(cls, handle: ArenaHandle, reader_rank: int) -> ShmTensorArena:
+        """Attaches as reader ``reader_rank`` and registers the arena in ``_TENSOR_ARENAS``."""
+        if not isinstance(handle, ArenaHandle):
+            raise TypeError(f"expected an ArenaHandle, got {type(handle).__name__}")
+        pin_chunk = int(os.environ.get("VLLM_SHM_ARENA_PIN_CHUNK_MB", "64")) << 20
+        r = _C.ArenaReader(handle.name, reader_rank, handle.dir, pin_chunk)
+        arena = cls(reader=r, handle=handle)
+        _TENSOR_ARENAS[handle.name] = arena
+        return arena
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def name(self) -> str:
+        """The shared-memory name (also the registry key stubs carry)."""
+        return self._handle.name
+
+    @property
+    def is_writer(self) -> bool:
+        """True for the arena's writer, False for a reader."""
+        return self._writer is not None
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes per slot: the largest tensor the arena accepts."""
+        return self._handle.slot_bytes
+
+    @property
+    def num_slots(self) -> int:
+        """Number of slots."""
+        return self._handle.num_slots
+
+    def handle(self) -> ArenaHandle:
+        """A small picklable handle readers attach with."""
+        return self._handle
+
+    # ----------------------------------------------------------------- writer
+    def _require_writer(self):
+        if self._writer is None:
+            raise RuntimeError("this ShmTensorArena is a reader; only the writer can write")
+        if self._closed:
+            raise RuntimeError(f"arena {self.name} is closed")
+        return self._writer
+
+    def _write(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """Copies ``tensor`` into a slot -> ``(slot, generation)``, or ``None`` if declined."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"write_tensor takes a torch.Tensor, got {type(tensor).__name__}")
+        return self._require_writer().write_tensor(tensor)
+
+    def write_tensor(self, tensor: torch.Tensor) -> int | None:
+        """Copies a contiguous CPU tensor into a free slot once; returns the slot or ``None``.
+
+        Declines (and counts why in ``stats()``) non-contiguous, non-CPU, sparse, quantized and
+        conj/neg-bit tensors, tensors larger than a slot, and any write while every slot is
+        held. Never blocks. The GIL is released during the copy.
+        """
+        res = self._write(tensor)
+        return None if res is None else res[0]
+
+    def _abort(self, diverted: Sequence[tuple[int, int]]) -> None:
+        """Gives back slots whose stubs never left this process (a failed dumps)."""
+        w = self._require_writer()
+        for slot, gen in diverted:
+            w.abort(slot, gen)
+
+    # ----------------------------------------------------------------- reader
+    def _require_reader(self):
+        if self._reader is None:
+            raise RuntimeError("this ShmTensorArena is the writer; attach() a reader to read")
+        return self._reader
+
+    def get_tensor(
+        self,
+        slot_idx: int,
+        nbytes: int,
+        dtype: torch.dtype,
+        shape: Sequence[int],
+        generation: int | None = None,
+    ) -> torch.Tensor:
+        """A tensor whose storage *is* the slot (zero bytes copied).
+
+        The slot is released when the storage is freed, so views, slices and ``Parameter``
+        wrappers keep it alive; with pinned memory, only after the next ``flush_releases``
+        finds the DMA done. ``generation`` (from the stub) guards against stale stubs; without
+        it the slot's current generation is used.
+        """
+        r = self._require_reader()
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        shape = list(shape)
+        return r.get_tensor(
+            int(slot_idx), int(generation or 0), int(nbytes), dtype, shape, _cuda_context()
+        )
+
+    def flush_releases(self, stream=None) -> int:
+        """Releases slots whose tensors died and whose H2D (if pinned) has completed.
+
+        Records a CUDA event on ``stream`` (default: the current stream) for slots freed since
+        the last call; non-blocking. Returns how many slots went back to the writer.
+        """
+        r = self._require_reader()
+        handle = 0
+        if _cuda_context():
+            if stream is None:
+                stream = torch.cuda.current_stream()
+            handle = int(getattr(stream, "cuda_stream", stream))
+        return r.flush_releases(handle)
+
+    def _release_unacquired(self, slot: int, generation: int) -> None:
+        self._require_reader().release_unacquired(slot, generation)
+
+    # ----------------------------------------------------------------- both
+    def stats(self) -> dict:
+        """Counters. Writer: hits, bytes, declined{too_small, not_contiguous, oversize,
+        no_free_slot, no_space, unsupported}, cold/warm copies, reclaimed, dead_readers,
+        aborted, in_use, holdings. Reader: held, pinned_bytes, pending_releases."""
+        if self._writer is not None:
+            s = self._writer.stats()
+            s["holdings"] = self._writer.holdings()
+            return s
+        return self._reader.stats()
+
+    def reclaim(self, check_liveness: bool = True) -> int:
+        """Writer: recycles slots every reader released (and those held by dead readers)."""
+        return self._require_writer().reclaim(check_liveness)
+
+    def unlink(self) -> None:
+        """Writer: removes the shm name; attached readers keep working, new ones can't attach."""
+        self._require_writer().unlink()
+
+    def close(self) -> None:
+        """Writer: unlinks the name. Reader: stops the writer waiting for this rank once its
+        tensors are gone. Tensors already handed out stay valid either way."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._writer is not None:
+            self._writer.unlink()
+        else:
+            if _TENSOR_ARENAS.get(self.name) is self:
+                del _TENSOR_ARENAS[self.name]
+
+    def __repr__(self) -> str:
+        role = "writer" if self.is_writer else f"reader{self._reader.rank}"
+        return (
+            f"ShmTensorArena({role}, name={self.name!r}, slots={self.num_slots}x"
+            f"{self.slot_bytes >> 20}MiB)"
+        )
+
+
+def _lookup(arena_name: str) -> ShmTensorArena:
+    arena = _TENSOR_ARENAS.get(arena_name) if isinstance(arena_name, str) else None
+    if arena is None:
+        raise RuntimeError(
+            f"arena stub names tensor arena {arena_name!r}, which this process has not "
+            "attached (attach it with ShmTensorArena.attach(handle, rank) before unpickling)"
+        )
+    return arena
+
+
+def _check_stub(slot_idx, generation, nbytes, shape) -> None:
+    for what, v in (("slot_idx", slot_idx), ("generation", generation), ("nbytes", nbytes)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"malformed arena stub: {what}={v!r}")
+    if not isinstance(shape, (tuple, list)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) for d in shape
+    ):
+        raise ValueError(f"malformed arena stub: shape={shape!r}")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"malformed arena stub: negative dimension in shape {tuple(shape)}")
+    if math.prod(shape) < 0:  # pragma: no cover - guarded above
+        raise ValueError(f"malformed arena stub: shape={shape!r}")
+
+
+def _rebuild_arena_tensor(arena_name, slot_idx, generation, nbytes, dtype_str, shape):
+    """Unpickles an arena stub into a zero-copy tensor over the slot."""
+    _check_stub(slot_idx, generation, nbytes, shape)
+    arena = _lookup(arena_name)
+    return arena.get_tensor(slot_idx, nbytes, dtype_from_name(dtype_str), shape, generation)
+
+
+def _rebuild_arena_parameter(arena_name, slot_idx, generation, nbytes, dtype_str, shape):
+    """Like _rebuild_arena_tensor, wrapped in a Parameter sharing its storage."""
+    t = _rebuild_arena_tensor(arena_name, slot_idx, generation, nbytes, dtype_str, shape)
+    return torch.nn.Parameter(t, requires_grad=False)
+
+
+#: The exact types the arena diverts; any other Tensor subclass keeps its identity through
+#: the ordinary reduction.
+_ARENA_REBUILD_FNS = {
+    torch.Tensor: _rebuild_arena_tensor,
+    torch.nn.Parameter: _rebuild_arena_parameter,
+}

@@ -1,0 +1,187 @@
+"""Pickling with tensors kept out of the pickle stream.
+
+Two layers, bottom to top:
+
+* ``_reduce_tensor`` / ``_rebuild_tensor``: the protocol-5 out-of-band channel. A CPU
+  tensor becomes a ``PickleBuffer`` over its bytes, which the transport ships as its own
+  frame; the reader rebuilds a tensor over the received buffer. This is the fallback for
+  everything the arena declines, and the baseline the arena is measured against.
+* ``_ArenaPickler``: additionally diverts large contiguous CPU tensors (and ``Parameter``)
+  into a ``ShmTensorArena`` and pickles a ~100-byte stub in their place.
+
+Knows the arena, not the queue.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import os
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from vllm_shm_arena._ext import _C
+from vllm_shm_arena.arena import (
+    _ARENA_REBUILD_FNS,
+    _NAME_BY_DTYPE,
+    MIN_BYTES,
+    ShmTensorArena,
+    dtype_from_name,
+)
+
+PROTOCOL = 5
+
+
+def _rebuild_tensor(buffer, dtype_str: str, shape: tuple) -> torch.Tensor:
+    """Rebuilds a tensor over ``buffer`` without copying.
+
+    Aliasing is only safe when the buffer belongs to the reader for good (a received ZeroMQ
+    frame). A caller whose buffers will be reused (a ring chunk) passes copies to ``loads``.
+    """
+    return _C.tensor_from_buffer(buffer, dtype_from_name(dtype_str), list(shape))
+
+
+def _reduce_tensor(t: torch.Tensor):
+    """Reduces a CPU tensor to ``(_rebuild_tensor, (PickleBuffer, dtype, shape))``.
+
+    Anything the raw bytes can't express (autograd state, conj/neg bits, sparse, quantized,
+    non-CPU, a dtype without a stub name) goes through torch's own reduction instead.
+    """
+    if (
+        t.device.type != "cpu"
+        or t.layout is not torch.strided
+        or t.requires_grad
+        or t.is_conj()
+        or t.is_neg()
+        or t.is_quantized
+        or t.dtype not in _NAME_BY_DTYPE
+    ):
+        return t.__reduce_ex__(PROTOCOL)
+    if not t.is_contiguous():
+        t = t.contiguous()
+    # A uint8 view makes every dtype (bf16, fp8, bool, complex) a plain byte buffer.
+    raw = t.reshape(-1).view(torch.uint8).numpy()
+    return _rebuild_tensor, (pickle.PickleBuffer(raw), _NAME_BY_DTYPE[t.dtype], tuple(t.shape))
+
+
+def _dispatch_table() -> dict:
+    table = copyreg.dispatch_table.copy()
+    table[torch.Tensor] = _reduce_tensor
+    return table
+
+
+class _OOBPickler(pickle.Pickler):
+    """Protocol-5 pickler that sends CPU tensors out of band (the baseline path)."""
+
+    dispatch_table = _dispatch_table()
+
+    def __init__(self, file, buffer_callback):
+        super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)
+
+
+class _ArenaPickler(pickle.Pickler):
+    """Out-of-band pickler that also diverts large tensors into a ``ShmTensorArena``.
+
+    ``reducer_override`` below is the readable reference. Each instance installs an
+    equivalent C-level callable instead (set ``VLLM_SHM_ARENA_PY_REDUCER=1`` to use the Python
+    one), because pickle calls it for nearly every object of every message: one pointer
+    comparison in C keeps tensor-free messages at full speed.
+
+    Slots used during a ``dump`` are listed in ``diverted``; if the dump fails, give them
+    back with ``arena._abort(pickler.diverted)`` (``dumps`` does).
+    """
+
+    dispatch_table = _dispatch_table()
+
+    def __init__(self, file, arena: ShmTensorArena, buffer_callback=None, min_bytes=MIN_BYTES):
+        self.arena = arena
+        self.min_bytes = min_bytes
+        self.diverted: list[tuple[int, int]] = []
+        if os.environ.get("VLLM_SHM_ARENA_PY_REDUCER") != "1":
+            # An instance attribute shadows the method; pickle looks it up at __init__.
+            self.reducer_override = _C.make_reducer(
+                arena._require_writer(),
+                torch.Tensor,
+                torch.nn.Parameter,
+                _ARENA_REBUILD_FNS[torch.Tensor],
+                _ARENA_REBUILD_FNS[torch.nn.Parameter],
+                _NAME_BY_DTYPE,
+                min_bytes,
+                self.diverted,
+            )
+        super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)
+
+    def reducer_override(self, obj):
+        rebuild_fn = _ARENA_REBUILD_FNS.get(type(obj))  # exact type, like dispatch_table
+        if rebuild_fn is None or obj.device.type != "cpu" or obj.layout is not torch.strided:
+            return NotImplemented
+        writer = self.arena._require_writer()
+        nbytes = obj.numel() * obj.element_size()
+        if nbytes < self.min_bytes:
+            writer.count_decline("too_small")
+            return NotImplemented
+        if obj.requires_grad or obj.dtype not in _NAME_BY_DTYPE:
+            writer.count_decline("unsupported")
+            return NotImplemented
+        res = self.arena._write(obj)  # counts not_contiguous / unsupported / full itself
+        if res is None:
+            return NotImplemented  # falls through to dispatch_table -> _reduce_tensor
+        slot, gen = res
+        self.diverted.append(res)
+        return rebuild_fn, (
+            self.arena.name,
+            slot,
+            gen,
+            nbytes,
+            _NAME_BY_DTYPE[obj.dtype],
+            tuple(obj.shape),
+        )
+
+
+class Dumped:
+    """A pickled message: the stream, its out-of-band buffers, and the arena slots it uses."""
+
+    __slots__ = ("data", "buffers", "diverted")
+
+    def __init__(self, data: bytes, buffers: list, diverted: list[tuple[int, int]]):
+        self.data = data
+        self.buffers = buffers
+        self.diverted = diverted
+
+
+def dump_message(obj: Any, arena: ShmTensorArena | None = None) -> Dumped:
+    """Pickles ``obj``; with an arena, large tensors go into it. Commit after dump: if
+    pickling fails part-way, every slot it had taken goes back to the arena."""
+    buffers: list = []
+    f = io.BytesIO()
+    if arena is None:
+        _OOBPickler(f, buffers.append).dump(obj)
+        return Dumped(f.getvalue(), buffers, [])
+    p = _ArenaPickler(f, arena, buffer_callback=buffers.append)
+    try:
+        p.dump(obj)
+    except BaseException:
+        arena._abort(p.diverted)
+        raise
+    return Dumped(f.getvalue(), buffers, p.diverted)
+
+
+def dumps(obj: Any, arena: ShmTensorArena | None = None) -> tuple[bytes, list]:
+    """Pickles ``obj`` -> ``(bytes, out-of-band buffers)``; large tensors into ``arena``."""
+    d = dump_message(obj, arena)
+    return d.data, d.buffers
+
+
+def loads(data, buffers: Sequence = ()) -> Any:
+    """Unpickles what ``dumps`` produced. Tensors alias ``buffers``: pass buffers the caller
+    owns for good, or copies."""
+    return pickle.loads(data, buffers=buffers)
+
+
+def dumps_inband(obj: Any) -> bytes:
+    """Plain protocol-5 pickle with tensor bytes inside the stream (the pre-out-of-band
+    baseline, for benchmarks)."""
+    return pickle.dumps(obj, protocol=PROTOCOL)
