@@ -20,6 +20,7 @@
 #include "core/errors.h"
 #include "core/pin_registry.h"
 #include "core/release_gate.h"
+#include "core/ring.h"
 
 #ifndef VSA_TORCH_VERSION
 #define VSA_TORCH_VERSION "unknown"
@@ -56,8 +57,8 @@ uint64_t checked_nbytes(at::ScalarType dtype, const std::vector<int64_t>& shape)
   uint64_t n = c10::elementSize(dtype);
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] < 0) {
-      throw InvalidArgument("shape[" + std::to_string(i) + "] is negative: " +
-                            std::to_string(shape[i]));
+      throw InvalidArgument("shape[" + std::to_string(i) +
+                            "] is negative: " + std::to_string(shape[i]));
     }
     uint64_t d = static_cast<uint64_t>(shape[i]);
     if (d != 0 && n > (uint64_t{1} << 62) / d) {
@@ -188,8 +189,8 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
     }
     if (slot >= reader_->max_records()) {
       throw OutOfRange("slot_idx " + std::to_string(slot) + " out of range [0, " +
-                       std::to_string(reader_->max_records()) + ") in arena '" +
-                       reader_->name() + "'");
+                       std::to_string(reader_->max_records()) + ") in arena '" + reader_->name() +
+                       "'");
     }
     if (nbytes > reader_->max_allocation()) {
       throw InvalidArgument("nbytes " + std::to_string(nbytes) + " is larger than a slot (" +
@@ -270,11 +271,19 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
         return false;
       }
       const auto& region = reader_->region();
-      // Pin only the data region (from the first slot, 2 MiB aligned) up to the end.
-      uint64_t data_off = region->size() - reader_->max_allocation() * reader_->max_records();
-      data_off = data_off / kDataAlign * kDataAlign;
-      pins_ = std::make_unique<PinRegistry>(rt, region->data() + data_off,
-                                            region->size() - data_off, pin_chunk_bytes_);
+      // Pin only the data region (slots start 2 MiB aligned and run to the end).
+      uint64_t slot = reader_->max_allocation();
+      uint64_t data_bytes = slot * reader_->max_records();
+      uint64_t data_off = region->size() - data_bytes;
+      // One cudaMemcpyAsync cannot cross the boundary between two registrations (the
+      // driver answers cudaErrorInvalidValue; benchmarks/results/gpu_probe_h200.txt), so a
+      // chunk must hold whole allocations: by default the whole data region is one chunk
+      // (about 40 ms per GiB to register, once), else a multiple of the slot size.
+      uint64_t chunk = data_bytes;
+      if (pin_chunk_bytes_ > 0 && pin_chunk_bytes_ < data_bytes) {
+        chunk = (pin_chunk_bytes_ + slot - 1) / slot * slot;
+      }
+      pins_ = std::make_unique<PinRegistry>(rt, region->data() + data_off, data_bytes, chunk);
       gate_ = std::make_shared<ReleaseGate>(rt);
     }
     if (!pins_) return false;
@@ -287,6 +296,189 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
   bool pin_disabled_ = false;
   std::shared_ptr<ReleaseGate> gate_;
   std::unique_ptr<PinRegistry> pins_;  // declared after reader_: destroyed (unregistered) first
+};
+
+// ---------------------------------------------------------------------------------------
+// The message queue's shared-memory ring. A message is a list of frames (pickle stream and
+// out-of-band buffers) packed into one chunk as [u32 count][u64 len x count][bytes...].
+
+namespace {
+
+constexpr int64_t kNsPerSec = 1000000000;
+
+uint64_t packed_size(const std::vector<std::pair<const uint8_t*, uint64_t>>& frames) {
+  uint64_t n = sizeof(uint32_t) + frames.size() * sizeof(uint64_t);
+  for (const auto& f : frames) n += f.second;
+  return n;
+}
+
+}  // namespace
+
+/// Writer end of a ring in its own shm region.
+class MessageRingWriter {
+ public:
+  MessageRingWriter(uint32_t n_readers, uint32_t max_chunks, uint64_t max_chunk_bytes,
+                    const std::string& dir) {
+    RingConfig cfg;
+    cfg.n_readers = n_readers;
+    cfg.max_chunks = max_chunks;
+    cfg.max_chunk_bytes = max_chunk_bytes;
+    size_t bytes = ring_bytes(cfg);
+    region_ = ShmRegion::create(bytes, "vsa_ring_", dir.empty() ? ShmRegion::default_dir() : dir);
+    ring_init(region_->data(), region_->size(), cfg);
+    writer_ = std::make_unique<RingWriter>(region_->data(), region_->size());
+    reserved_.assign(max_chunks, 0);
+  }
+
+  /// Bytes of a message with these frame sizes once packed into a chunk.
+  static uint64_t packed_bytes(const std::vector<uint64_t>& sizes) {
+    uint64_t n = sizeof(uint32_t) + sizes.size() * sizeof(uint64_t);
+    for (uint64_t s : sizes) n += s;
+    return n;
+  }
+
+  /// Packs `frames` into the next chunk and publishes it. Returns "ok", "timeout", or
+  /// "no_space" (the shm filesystem could not back the chunk: an overflow marker was
+  /// published instead, and the caller must send the message over the socket).
+  std::string write(const py::list& frames, uint32_t flags, double timeout_s) {
+    std::vector<py::buffer_info> infos;
+    std::vector<std::pair<const uint8_t*, uint64_t>> spans;
+    for (auto f : frames) {
+      infos.push_back(py::reinterpret_borrow<py::buffer>(f).request());
+      const auto& bi = infos.back();
+      spans.emplace_back(static_cast<const uint8_t*>(bi.ptr),
+                         static_cast<uint64_t>(bi.size * bi.itemsize));
+    }
+    uint64_t total = packed_size(spans);
+    if (total > writer_->config().max_chunk_bytes) {
+      throw InvalidArgument("message of " + std::to_string(total) +
+                            " bytes does not fit a ring chunk of " +
+                            std::to_string(writer_->config().max_chunk_bytes));
+    }
+    py::gil_scoped_release nogil;
+    uint8_t* chunk = writer_->acquire(timeout_ns(timeout_s));
+    if (chunk == nullptr) return "timeout";
+    // Back the chunk's pages before the first store into them: a full /dev/shm then means
+    // "send it over the socket", not SIGBUS.
+    uint64_t off = static_cast<uint64_t>(chunk - region_->data());
+    uint64_t idx = (writer_->published()) % writer_->config().max_chunks;
+    if (reserved_[idx] < total) {
+      if (!region_->reserve(off, total)) {
+        writer_->publish(0, flags | kRingFlagOverflow | kNoSpaceFlag);
+        return "no_space";
+      }
+      reserved_[idx] = total;
+    }
+    uint8_t* p = chunk;
+    uint32_t count = static_cast<uint32_t>(spans.size());
+    std::memcpy(p, &count, sizeof(count));
+    p += sizeof(count);
+    for (const auto& f : spans) {
+      std::memcpy(p, &f.second, sizeof(uint64_t));
+      p += sizeof(uint64_t);
+    }
+    for (const auto& f : spans) {
+      if (f.second > 0) parallel_copy(p, f.first, f.second);
+      p += f.second;
+    }
+    writer_->publish(total, flags);
+    return "ok";
+  }
+
+  /// Publishes an empty marker chunk (the message itself travels over the socket).
+  bool write_marker(uint32_t flags, double timeout_s) {
+    py::gil_scoped_release nogil;
+    if (writer_->acquire(timeout_ns(timeout_s)) == nullptr) return false;
+    writer_->publish(0, flags);
+    return true;
+  }
+
+  void shutdown() { writer_->shutdown(); }
+  void unlink() { region_->unlink(); }
+  std::string name() const { return region_->name(); }
+  std::string dir() const { return region_->dir(); }
+  uint32_t dropped_readers() const { return writer_->dropped_readers(); }
+  uint64_t published() const { return writer_->published(); }
+
+  /// Flag the writer sets on a marker whose chunk could not be backed (message on socket).
+  static constexpr uint32_t kNoSpaceFlag = 1u << 1;
+
+ private:
+  static int64_t timeout_ns(double s) {
+    if (s < 0) return -1;
+    return static_cast<int64_t>(s * kNsPerSec);
+  }
+  std::shared_ptr<ShmRegion> region_;
+  std::unique_ptr<RingWriter> writer_;
+  std::vector<uint64_t> reserved_;  // bytes of each chunk already backed by fallocate
+};
+
+/// Reader end: copies each message's frames out of the chunk and releases it at once, so a
+/// message may be kept for as long as the caller likes.
+class MessageRingReader {
+ public:
+  MessageRingReader(const std::string& name, uint32_t rank, const std::string& dir) {
+    region_ = ShmRegion::attach(name, dir.empty() ? ShmRegion::default_dir() : dir, 64);
+    ring_validate(region_->data(), region_->size());
+    reader_ = std::make_unique<RingReader>(region_->data(), region_->size(), rank);
+  }
+
+  /// Waits up to `timeout_s` (< 0: forever) for the next message ->
+  /// ("ok", flags, [bytearray...]) / ("timeout", 0, None) / ("shutdown", 0, None).
+  py::tuple read(double timeout_s) {
+    const uint8_t* data = nullptr;
+    uint64_t nbytes = 0;
+    uint32_t flags = 0;
+    RingReader::Status st;
+    {
+      py::gil_scoped_release nogil;
+      st = reader_->acquire(timeout_s < 0 ? -1 : static_cast<int64_t>(timeout_s * kNsPerSec), &data,
+                            &nbytes, &flags);
+    }
+    if (st == RingReader::Status::kTimeout) return py::make_tuple("timeout", 0, py::none());
+    if (st == RingReader::Status::kShutdown) return py::make_tuple("shutdown", 0, py::none());
+    py::list frames;
+    try {
+      if (nbytes > 0) {
+        uint32_t count = 0;
+        if (nbytes < sizeof(count)) throw InvalidArgument("ring chunk too short");
+        std::memcpy(&count, data, sizeof(count));
+        uint64_t head = sizeof(count) + uint64_t{count} * sizeof(uint64_t);
+        if (head > nbytes) throw InvalidArgument("ring chunk header is corrupt");
+        const uint8_t* lens = data + sizeof(count);
+        const uint8_t* p = data + head;
+        uint64_t left = nbytes - head;
+        for (uint32_t i = 0; i < count; ++i) {
+          uint64_t len;
+          std::memcpy(&len, lens + i * sizeof(uint64_t), sizeof(len));
+          if (len > left) throw InvalidArgument("ring chunk frame overruns the chunk");
+          PyObject* ba = PyByteArray_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(len));
+          if (ba == nullptr) throw py::error_already_set();
+          py::object owned = py::reinterpret_steal<py::object>(ba);
+          if (len > 0) {
+            char* dst = PyByteArray_AS_STRING(ba);
+            py::gil_scoped_release nogil;
+            parallel_copy(dst, p, len);
+          }
+          frames.append(owned);
+          p += len;
+          left -= len;
+        }
+      }
+    } catch (...) {
+      reader_->release();
+      throw;
+    }
+    reader_->release();
+    return py::make_tuple("ok", flags, frames);
+  }
+
+  uint32_t rank() const { return reader_->rank(); }
+  uint64_t consumed() const { return reader_->consumed(); }
+
+ private:
+  std::shared_ptr<ShmRegion> region_;
+  std::unique_ptr<RingReader> reader_;  // destroyed first: detaches before the unmap
 };
 
 // ---------------------------------------------------------------------------------------
@@ -303,8 +495,7 @@ at::Tensor tensor_from_buffer(py::object buffer, at::ScalarType dtype,
     uint64_t got = static_cast<uint64_t>(view->len);
     PyBuffer_Release(view.get());
     throw InvalidArgument("buffer has " + std::to_string(got) + " bytes, shape " +
-                          c10::str(c10::IntArrayRef(shape)) + " needs " +
-                          std::to_string(expect));
+                          c10::str(c10::IntArrayRef(shape)) + " needs " + std::to_string(expect));
   }
   void* data = view->buf;
   Py_buffer* raw = view.release();
@@ -396,9 +587,8 @@ PyMethodDef kReducerDef = {"reducer_override", reducer_call, METH_O,
                            "C-level _ArenaPickler.reducer_override"};
 
 py::object make_reducer(std::shared_ptr<TensorArenaWriter> writer, py::object tensor_type,
-                        py::object param_type, py::object rebuild_tensor,
-                        py::object rebuild_param, py::dict dtype_names, uint64_t min_bytes,
-                        py::list diverted) {
+                        py::object param_type, py::object rebuild_tensor, py::object rebuild_param,
+                        py::dict dtype_names, uint64_t min_bytes, py::list diverted) {
   auto st = std::make_unique<ReducerState>();
   st->writer = std::move(writer);
   st->tensor_type = tensor_type;
@@ -472,10 +662,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("n_readers", &TensorArenaWriter::n_readers);
 
   py::class_<TensorArenaReader, std::shared_ptr<TensorArenaReader>>(m, "ArenaReader")
-      // Attaches reader `rank` of arena `name`; pins lazily in chunks of `pin_chunk_bytes`.
-      .def(py::init<const std::string&, uint32_t, const std::string&, uint64_t>(),
-           py::arg("name"), py::arg("rank"), py::arg("dir") = "",
-           py::arg("pin_chunk_bytes") = PinRegistry::kDefaultChunkBytes)
+      // Attaches reader `rank` of arena `name`; pins lazily, the whole data region at once
+      // (pin_chunk_bytes 0) or in chunks of whole slots.
+      .def(py::init<const std::string&, uint32_t, const std::string&, uint64_t>(), py::arg("name"),
+           py::arg("rank"), py::arg("dir") = "", py::arg("pin_chunk_bytes") = 0)
       // Zero-copy tensor over a slot; generation 0 = whatever the slot holds now.
       .def("get_tensor", &TensorArenaReader::get_tensor, py::arg("slot"), py::arg("generation"),
            py::arg("nbytes"), py::arg("dtype"), py::arg("shape"), py::arg("cuda_context"))
@@ -495,6 +685,36 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("rank", &TensorArenaReader::rank)
       .def_property_readonly("num_slots", &TensorArenaReader::num_slots)
       .def_property_readonly("slot_bytes", &TensorArenaReader::slot_bytes);
+
+  py::class_<MessageRingWriter, std::shared_ptr<MessageRingWriter>>(m, "RingWriter")
+      // Creates the ring's shm region: n_readers x max_chunks x max_chunk_bytes.
+      .def(py::init<uint32_t, uint32_t, uint64_t, const std::string&>(), py::arg("n_readers"),
+           py::arg("max_chunks"), py::arg("max_chunk_bytes"), py::arg("dir") = "")
+      // Packs frames into the next chunk -> "ok" | "timeout" | "no_space".
+      .def("write", &MessageRingWriter::write, py::arg("frames"), py::arg("flags"),
+           py::arg("timeout_s"))
+      // Publishes an empty chunk carrying only flags (message on the socket).
+      .def("write_marker", &MessageRingWriter::write_marker, py::arg("flags"), py::arg("timeout_s"))
+      // Bytes a message with these frame sizes takes in a chunk.
+      .def_static("packed_bytes", &MessageRingWriter::packed_bytes)
+      // Wakes every blocked reader, which then sees "shutdown".
+      .def("shutdown", &MessageRingWriter::shutdown)
+      .def("unlink", &MessageRingWriter::unlink)
+      .def("dropped_readers", &MessageRingWriter::dropped_readers)
+      .def("published", &MessageRingWriter::published)
+      .def_property_readonly("name", &MessageRingWriter::name)
+      .def_property_readonly("dir", &MessageRingWriter::dir);
+  m.attr("RING_FLAG_OVERFLOW") = kRingFlagOverflow;
+  m.attr("RING_FLAG_NO_SPACE") = MessageRingWriter::kNoSpaceFlag;
+
+  py::class_<MessageRingReader, std::shared_ptr<MessageRingReader>>(m, "RingReader")
+      // Attaches reader `rank` of ring `name`.
+      .def(py::init<const std::string&, uint32_t, const std::string&>(), py::arg("name"),
+           py::arg("rank"), py::arg("dir") = "")
+      // Next message -> (status, flags, frames as bytearrays), chunk released at once.
+      .def("read", &MessageRingReader::read, py::arg("timeout_s"))
+      .def("consumed", &MessageRingReader::consumed)
+      .def_property_readonly("rank", &MessageRingReader::rank);
 
   // Zero-copy tensor over a Python buffer (a received ZeroMQ frame); keeps the buffer alive.
   m.def("tensor_from_buffer", &tensor_from_buffer, py::arg("buffer"), py::arg("dtype"),

@@ -14,6 +14,7 @@ from vllm_shm_arena.arena import (
     _rebuild_arena_parameter,
     _rebuild_arena_tensor,
 )
+from vllm_shm_arena.message_queue import Handle, MessageQueue
 from vllm_shm_arena.pickler import (
     _ArenaPickler,
     _rebuild_tensor,
@@ -26,6 +27,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArenaHandle",
+    "Handle",
+    "MessageQueue",
     "MIN_BYTES",
     "ShmTensorArena",
     "_ArenaPickler",

@@ -63,6 +63,9 @@ class ArenaHandle:
 _TENSOR_ARENAS: weakref.WeakValueDictionary[str, ShmTensorArena] = weakref.WeakValueDictionary()
 
 _cuda_seen = False
+#: VLLM_SHM_ARENA_PIN=0 turns page-locking off (the slot then releases as soon as its tensor
+#: dies, and H2D copies from it are pageable). Read once at import.
+_PIN_ENABLED = os.environ.get("VLLM_SHM_ARENA_PIN", "1") != "0"
 
 
 def _cuda_context() -> bool:
@@ -89,6 +92,7 @@ class ShmTensorArena:
         self._handle = handle
         self._closed = False
         self._lock = threading.Lock()
+        self._reducer_cache: list = []  # idle (C reducer, diverted list) pairs
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -112,7 +116,7 @@ class ShmTensorArena:
         """Attaches as reader ``reader_rank`` and registers the arena in ``_TENSOR_ARENAS``."""
         if not isinstance(handle, ArenaHandle):
             raise TypeError(f"expected an ArenaHandle, got {type(handle).__name__}")
-        pin_chunk = int(os.environ.get("VLLM_SHM_ARENA_PIN_CHUNK_MB", "64")) << 20
+        pin_chunk = int(os.environ.get("VLLM_SHM_ARENA_PIN_CHUNK_MB", "0")) << 20
         r = _C.ArenaReader(handle.name, reader_rank, handle.dir, pin_chunk)
         arena = cls(reader=r, handle=handle)
         _TENSOR_ARENAS[handle.name] = arena
@@ -167,6 +171,36 @@ class ShmTensorArena:
         res = self._write(tensor)
         return None if res is None else res[0]
 
+    def _take_reducer(self, min_bytes: int = MIN_BYTES):
+        """A (C-level reducer_override, diverted list) pair for one dump. The default-threshold
+        pair is built once and reused: building it costs about as much as pickling a small
+        message."""
+        if min_bytes == MIN_BYTES:
+            with self._lock:
+                if self._reducer_cache:
+                    pair = self._reducer_cache.pop()
+                    pair[1].clear()
+                    return pair
+        diverted: list = []
+        fn = _C.make_reducer(
+            self._require_writer(),
+            torch.Tensor,
+            torch.nn.Parameter,
+            _rebuild_arena_tensor,
+            _rebuild_arena_parameter,
+            _NAME_BY_DTYPE,
+            min_bytes,
+            diverted,
+        )
+        return (fn, diverted, min_bytes)
+
+    def _give_back_reducer(self, pair) -> None:
+        if pair[2] != MIN_BYTES:
+            return
+        with self._lock:
+            if len(self._reducer_cache) < 4:
+                self._reducer_cache.append(pair)
+
     def _abort(self, diverted: Sequence[tuple[int, int]]) -> None:
         """Gives back slots whose stubs never left this process (a failed dumps)."""
         w = self._require_writer()
@@ -199,7 +233,12 @@ class ShmTensorArena:
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         shape = list(shape)
         return r.get_tensor(
-            int(slot_idx), int(generation or 0), int(nbytes), dtype, shape, _cuda_context()
+            int(slot_idx),
+            int(generation or 0),
+            int(nbytes),
+            dtype,
+            shape,
+            _PIN_ENABLED and _cuda_context(),
         )
 
     def flush_releases(self, stream=None) -> int:

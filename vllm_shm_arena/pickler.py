@@ -99,20 +99,21 @@ class _ArenaPickler(pickle.Pickler):
     def __init__(self, file, arena: ShmTensorArena, buffer_callback=None, min_bytes=MIN_BYTES):
         self.arena = arena
         self.min_bytes = min_bytes
-        self.diverted: list[tuple[int, int]] = []
-        if os.environ.get("VLLM_SHM_ARENA_PY_REDUCER") != "1":
+        self._cached = None
+        if os.environ.get("VLLM_SHM_ARENA_PY_REDUCER") == "1":
+            self.diverted: list[tuple[int, int]] = []
+        else:
             # An instance attribute shadows the method; pickle looks it up at __init__.
-            self.reducer_override = _C.make_reducer(
-                arena._require_writer(),
-                torch.Tensor,
-                torch.nn.Parameter,
-                _ARENA_REBUILD_FNS[torch.Tensor],
-                _ARENA_REBUILD_FNS[torch.nn.Parameter],
-                _NAME_BY_DTYPE,
-                min_bytes,
-                self.diverted,
-            )
+            self._cached = arena._take_reducer(min_bytes)
+            self.reducer_override, self.diverted, _ = self._cached
         super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)
+
+    def release(self) -> None:
+        """Hands the arena's cached C reducer back for the next message (optional: a pickler
+        that never releases it only makes the next one build its own)."""
+        if self._cached is not None:
+            self.arena._give_back_reducer(self._cached)
+            self._cached = None
 
     def reducer_override(self, obj):
         rebuild_fn = _ARENA_REBUILD_FNS.get(type(obj))  # exact type, like dispatch_table
@@ -163,10 +164,12 @@ def dump_message(obj: Any, arena: ShmTensorArena | None = None) -> Dumped:
     p = _ArenaPickler(f, arena, buffer_callback=buffers.append)
     try:
         p.dump(obj)
+        return Dumped(f.getvalue(), buffers, list(p.diverted))
     except BaseException:
         arena._abort(p.diverted)
         raise
-    return Dumped(f.getvalue(), buffers, p.diverted)
+    finally:
+        p.release()
 
 
 def dumps(obj: Any, arena: ShmTensorArena | None = None) -> tuple[bytes, list]:

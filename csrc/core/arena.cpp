@@ -34,12 +34,10 @@ Offsets layout_for(uint32_t n_readers, uint32_t max_records, uint64_t data_bytes
 }
 
 ReaderEntry* reader_entry(ArenaHeader* h, uint32_t rank) {
-  return reinterpret_cast<ReaderEntry*>(reinterpret_cast<uint8_t*>(h) + h->readers_offset) +
-         rank;
+  return reinterpret_cast<ReaderEntry*>(reinterpret_cast<uint8_t*>(h) + h->readers_offset) + rank;
 }
 RecordMeta* record_meta(ArenaHeader* h, uint32_t record) {
-  return reinterpret_cast<RecordMeta*>(reinterpret_cast<uint8_t*>(h) + h->records_offset) +
-         record;
+  return reinterpret_cast<RecordMeta*>(reinterpret_cast<uint8_t*>(h) + h->records_offset) + record;
 }
 std::atomic<uint64_t>* released_gen(ArenaHeader* h, uint32_t rank, uint32_t record) {
   return reinterpret_cast<std::atomic<uint64_t>*>(reinterpret_cast<uint8_t*>(h) +
@@ -54,12 +52,11 @@ void check_config(const ArenaConfig& cfg) {
                           std::to_string(cfg.n_readers));
   }
   if (cfg.num_slots == 0 || cfg.num_slots > kMaxRecords) {
-    throw InvalidArgument("num_slots must be in [1, " + std::to_string(kMaxRecords) +
-                          "], got " + std::to_string(cfg.num_slots));
+    throw InvalidArgument("num_slots must be in [1, " + std::to_string(kMaxRecords) + "], got " +
+                          std::to_string(cfg.num_slots));
   }
   if (cfg.slot_bytes == 0 || cfg.slot_bytes > (1ull << 40)) {
-    throw InvalidArgument("slot_bytes must be in [1, 2^40], got " +
-                          std::to_string(cfg.slot_bytes));
+    throw InvalidArgument("slot_bytes must be in [1, 2^40], got " + std::to_string(cfg.slot_bytes));
   }
 }
 
@@ -412,8 +409,7 @@ std::shared_ptr<ArenaReader> ArenaReader::attach(const std::string& name, uint32
     // and the writer's DEAD CAS.
     if (!holder.empty() && st == ReaderState::kAttached && holder.is_alive()) {
       throw InvalidArgument("reader rank " + std::to_string(rank) + " of arena '" + name +
-                            "' is already attached by live pid " +
-                            std::to_string(holder.pid()));
+                            "' is already attached by live pid " + std::to_string(holder.pid()));
     }
     // SYNC POINT: acq_rel CAS; pairs with itself in a concurrent attach of the same rank
     // (one wins) and with the writer's acquire load of the identity in reader_lets_go().

@@ -58,8 +58,8 @@ struct WriterStats {
 struct ReaderHolding {
   uint32_t rank = 0;
   ReaderState state = ReaderState::kNeverAttached;
-  uint32_t records_held = 0;       ///< published records this reader has not released
-  double oldest_age_seconds = 0;   ///< age of the oldest of them (0 if none)
+  uint32_t records_held = 0;      ///< published records this reader has not released
+  double oldest_age_seconds = 0;  ///< age of the oldest of them (0 if none)
 };
 
 /// A claimed allocation the writer is filling (before publish) or has published.
@@ -121,11 +121,11 @@ class ArenaWriter {
   mutable std::mutex mu_;  // one writer process, but Python may call it from several threads
   // Writer-private bookkeeping, indexed by record.
   std::vector<Placement> placement_;
-  std::vector<uint64_t> gen_;       // generation of the live allocation, 0 = free
+  std::vector<uint64_t> gen_;  // generation of the live allocation, 0 = free
   std::vector<bool> published_;
   std::vector<std::chrono::steady_clock::time_point> published_at_;
-  std::vector<bool> reserved_;      // pages fallocated (and so, after a write, warm)
-  std::vector<uint32_t> in_use_;    // records with gen_ != 0
+  std::vector<bool> reserved_;    // pages fallocated (and so, after a write, warm)
+  std::vector<uint32_t> in_use_;  // records with gen_ != 0
   std::vector<std::chrono::steady_clock::time_point> last_liveness_check_;
   WriterStats stats_;
 };

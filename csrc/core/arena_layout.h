@@ -50,8 +50,8 @@ constexpr uint64_t kArenaMagic = 0x414e455241415356ull;  // "VSAARENA" little-en
 constexpr uint32_t kArenaLayoutVersion = 1;
 constexpr uint64_t kHeaderBytes = 4096;
 constexpr uint64_t kCacheLine = 64;
-constexpr uint64_t kDataAlign = 2ull << 20;    // 2 MiB: huge-page friendly where tmpfs has them.
-constexpr uint64_t kAllocAlign = 4096;         // every allocation starts on a page.
+constexpr uint64_t kDataAlign = 2ull << 20;  // 2 MiB: huge-page friendly where tmpfs has them.
+constexpr uint64_t kAllocAlign = 4096;       // every allocation starts on a page.
 constexpr uint32_t kMaxReaders = 1024;
 constexpr uint32_t kMaxRecords = 1u << 20;
 
@@ -96,9 +96,9 @@ static_assert(sizeof(ReaderEntry) == kCacheLine, "one reader entry per cache lin
 
 /// One allocation record; only the writer stores to it.
 struct alignas(kCacheLine) RecordMeta {
-  uint64_t offset;    // from the start of the region
-  uint64_t capacity;  // bytes reserved for this allocation
-  uint64_t nbytes;    // payload bytes written
+  uint64_t offset;                      // from the start of the region
+  uint64_t capacity;                    // bytes reserved for this allocation
+  uint64_t nbytes;                      // payload bytes written
   std::atomic<uint64_t> published_gen;  // 0 = not published
 };
 static_assert(sizeof(RecordMeta) == kCacheLine,

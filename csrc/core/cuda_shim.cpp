@@ -99,9 +99,8 @@ std::shared_ptr<CudaRuntime> CudaRuntime::resolve(void* handle, const std::strin
   std::shared_ptr<CudaRuntime> rt(new CudaRuntime(handle, path));
   std::string missing;
   auto bind = [&](auto& fn, const char* name) {
-    // The per-thread-default-stream headers rename some entry points with a _ptsz suffix; we
-    // resolve the plain names, which keep the legacy default-stream meaning for stream 0 and
-    // are identical for explicit streams (the only kind the core passes).
+    // The plain names, not the _ptsz ones the per-thread-default-stream headers map to: for
+    // stream 0 they mean the legacy default stream, which is torch's default stream too.
     void* sym = ::dlsym(handle, name);
     if (sym == nullptr) {
       missing += (missing.empty() ? "" : ", ") + std::string(name);

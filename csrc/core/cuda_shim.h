@@ -32,14 +32,22 @@ using CudaError = cudaError_t;
 using CudaStream = cudaStream_t;
 /// An opaque event handle.
 using CudaEvent = cudaEvent_t;
-/// Function pointer types, taken from the toolkit's own declarations.
+// Function pointer types, taken from the toolkit's own declarations.
+/// The type of cudaHostRegister.
 using CudaHostRegisterFn = decltype(&::cudaHostRegister);
+/// The type of cudaHostUnregister.
 using CudaHostUnregisterFn = decltype(&::cudaHostUnregister);
+/// The type of cudaEventCreateWithFlags.
 using CudaEventCreateWithFlagsFn = decltype(&::cudaEventCreateWithFlags);
+/// The type of cudaEventRecord.
 using CudaEventRecordFn = decltype(&::cudaEventRecord);
+/// The type of cudaEventQuery.
 using CudaEventQueryFn = decltype(&::cudaEventQuery);
+/// The type of cudaEventDestroy.
 using CudaEventDestroyFn = decltype(&::cudaEventDestroy);
+/// The type of cudaGetErrorString.
 using CudaGetErrorStringFn = decltype(&::cudaGetErrorString);
+/// The type of cudaGetLastError.
 using CudaGetLastErrorFn = decltype(&::cudaGetLastError);
 #else
 /// The runtime's error code type (same ABI as `enum cudaError`: a 32-bit enum).
@@ -48,14 +56,22 @@ enum CudaError : int {};
 using CudaStream = struct CUstream_st*;
 /// An opaque event handle.
 using CudaEvent = struct CUevent_st*;
-/// Function pointer types with the same ABI as the toolkit's declarations.
+// Function pointer types with the same ABI as the toolkit's declarations.
+/// The type of cudaHostRegister.
 using CudaHostRegisterFn = CudaError (*)(void*, size_t, unsigned int);
+/// The type of cudaHostUnregister.
 using CudaHostUnregisterFn = CudaError (*)(void*);
+/// The type of cudaEventCreateWithFlags.
 using CudaEventCreateWithFlagsFn = CudaError (*)(CudaEvent*, unsigned int);
+/// The type of cudaEventRecord.
 using CudaEventRecordFn = CudaError (*)(CudaEvent, CudaStream);
+/// The type of cudaEventQuery.
 using CudaEventQueryFn = CudaError (*)(CudaEvent);
+/// The type of cudaEventDestroy.
 using CudaEventDestroyFn = CudaError (*)(CudaEvent);
+/// The type of cudaGetErrorString.
 using CudaGetErrorStringFn = const char* (*)(CudaError);
+/// The type of cudaGetLastError.
 using CudaGetLastErrorFn = CudaError (*)();
 #endif
 

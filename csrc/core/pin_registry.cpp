@@ -178,6 +178,16 @@ bool PinRegistry::is_pinned(const void* ptr, size_t len) const {
   return all_registered(first, last);
 }
 
+size_t PinRegistry::contiguous_bytes(const void* ptr, size_t len) const {
+  if (len == 0) return 0;
+  size_t first = 0;
+  size_t last = 0;
+  chunk_span(ptr, len, &first, &last);
+  const size_t offset = static_cast<size_t>(static_cast<const char*>(ptr) - base_);
+  const size_t to_end = chunk_bytes_ - offset % chunk_bytes_;
+  return len < to_end ? len : to_end;
+}
+
 size_t PinRegistry::pinned_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return stats_.pinned_bytes;

@@ -17,6 +17,9 @@
 // chunks already registered stay pinned and usable. ensure() then answers false for any range
 // that is not fully pinned and the caller copies from pageable memory.
 //
+// A copy from pinned memory must stay inside one chunk (see contiguous_bytes()): the driver
+// treats each registration as its own allocation and refuses a copy that spans two.
+//
 // Whether a CUDA context exists is the caller's decision: ensure() calls cudaHostRegister, which
 // would create the primary context, so the owner calls it only once torch has one.
 #pragma once
@@ -73,6 +76,11 @@ class PinRegistry {
   bool ensure(const void* ptr, size_t len);
   /// True when every chunk overlapping [ptr, ptr + len) is registered. Never registers.
   bool is_pinned(const void* ptr, size_t len) const;
+  /// Bytes from `ptr` to the end of its chunk, at most `len`. One cudaMemcpyAsync must not cross
+  /// a chunk boundary: the driver rejects a copy whose host range spans two cudaHostRegister
+  /// ranges with cudaErrorInvalidValue (measured on H200 / CUDA 13, benchmarks/gpu_probe), so
+  /// copy code splits a range into pieces of this size. Throws InvalidArgument like ensure().
+  size_t contiguous_bytes(const void* ptr, size_t len) const;
   /// Bytes currently registered.
   size_t pinned_bytes() const;
   /// A snapshot of the counters.

@@ -368,12 +368,14 @@ uint8_t* RingWriter::acquire(int64_t timeout_ns) {
   // Every counted reader must have released the chunk's previous message, s - max_chunks.
   const uint64_t need = s > config_.max_chunks ? s - config_.max_chunks : 0;
   const Deadline deadline(timeout_ns);
+  bool free = all_released(need);
   bool announced = false;
-  while (!all_released(need)) {
+  while (!free) {
     const int64_t now = now_ns();
     if (now - last_liveness_check_ns_ >= kLivenessCheckNs) {
       last_liveness_check_ns_ = now;
       drop_dead_readers(need);
+      free = all_released(need);
       continue;
     }
     int64_t left = deadline.remaining_ns();
@@ -387,17 +389,18 @@ uint8_t* RingWriter::acquire(int64_t timeout_ns) {
     }
     // SYNC POINT: seq_cst; pairs with the seq_cst fetch_add in bump_and_wake (from release).
     const uint32_t word = header_->space_word.load(std::memory_order_seq_cst);
-    if (all_released(need)) break;
-    // Sleep no longer than the next liveness check is due.
+    if ((free = all_released(need))) break;
+    // Sleep no longer than until the next liveness check is due.
     const int64_t until_check = last_liveness_check_ns_ + kLivenessCheckNs - now;
     if (left < 0 || left > until_check) left = until_check > 0 ? until_check : 1;
     futex_wait(&header_->space_word, word, left);
+    free = all_released(need);
   }
   if (announced) {
     // SYNC POINT: relaxed; a stale 1 only costs a reader a spurious wake-up.
     header_->space_waiter.store(0, std::memory_order_relaxed);
   }
-  if (!all_released(need)) return nullptr;
+  if (!free) return nullptr;
   acquired_ = true;
   return payload_ + stride_ * ((s - 1) % config_.max_chunks);
 }

@@ -33,7 +33,7 @@
 //        |           has read_seq >= s - N  readers of s wait) flags, then seq       |
 //        |                                                                           |
 //        +------------- every counted reader released s (read_seq >= s) -------------+
-//                       (the chunk is FREE for message s + N)
+//                       (the chunk is FREE for message s + N: s advances by N per lap)
 //
 //   A reader whose next message is s waits until chunk c's seq == s; seq > s would mean the
 //   writer overwrote a message this reader never released, which only happens to a reader the

@@ -30,8 +30,8 @@ std::string human_bytes(uint64_t b) {
 
 // A name is a single path component: no '/', no "..", not empty, reasonably short.
 void check_name(const std::string& name) {
-  if (name.empty() || name.size() > 200 || name.find('/') != std::string::npos ||
-      name == "." || name == "..") {
+  if (name.empty() || name.size() > 200 || name.find('/') != std::string::npos || name == "." ||
+      name == "..") {
     throw InvalidArgument("shared-memory name '" + name +
                           "' is not a valid segment name (one path component, no '/')");
   }
@@ -78,8 +78,7 @@ void ShmRegion::check_free_space(const std::string& dir, uint64_t bytes) {
   if (free < bytes) {
     throw ShmError("not enough shared memory in " + dir + ": the arena needs " +
                    human_bytes(bytes) + " but only " + human_bytes(free) +
-                   " is free. Enlarge it (Docker: --shm-size=" +
-                   std::to_string((bytes >> 30) + 2) +
+                   " is free. Enlarge it (Docker: --shm-size=" + std::to_string((bytes >> 30) + 2) +
                    "g; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm; "
                    "bare metal: mount -o remount,size=<N>G " +
                    dir + ") or use fewer/smaller slots.");
@@ -144,8 +143,7 @@ std::shared_ptr<ShmRegion> ShmRegion::attach(const std::string& name, const std:
     ::close(fd);
     throw ShmError(errno_message("mapping shared memory " + path, err));
   }
-  return std::shared_ptr<ShmRegion>(
-      new ShmRegion(name, dir, fd, static_cast<uint8_t*>(p), bytes));
+  return std::shared_ptr<ShmRegion>(new ShmRegion(name, dir, fd, static_cast<uint8_t*>(p), bytes));
 }
 
 ShmRegion::~ShmRegion() {

@@ -189,8 +189,7 @@ TEST_CASE("bad stubs get typed errors", "[arena][faults]") {
   }
   SECTION("unknown name") {
     CHECK_THROWS_AS(ArenaReader::attach("vsa_doesnotexist", 0, sut->region()->dir()), ShmError);
-    CHECK_THROWS_AS(ArenaReader::attach("../etc/passwd", 0, sut->region()->dir()),
-                    InvalidArgument);
+    CHECK_THROWS_AS(ArenaReader::attach("../etc/passwd", 0, sut->region()->dir()), InvalidArgument);
   }
   sut->unlink();
 }
@@ -299,7 +298,6 @@ TEST_CASE("too little shared memory fails at creation with a clear message", "[a
 TEST_CASE("a full shm filesystem declines writes instead of SIGBUS", "[arena][faults]") {
   vsa_test::TempDir small(48 << 20);
   if (!small.mounted()) {
-
     WARN("skipped: mounting a small tmpfs needs root (CAP_SYS_ADMIN)");
     return;
   }
@@ -443,8 +441,8 @@ TEST_CASE("randomized multi-process stress with checksums", "[arena][stress]") {
         std::vector<Stub> held;
         Stub s;
         while (::read(fds[0], &s, sizeof(s)) == sizeof(s) && s.generation != 0) {
-          const uint8_t* p = reader->acquire(static_cast<uint32_t>(s.record), s.generation,
-                                             s.nbytes);
+          const uint8_t* p =
+              reader->acquire(static_cast<uint32_t>(s.record), s.generation, s.nbytes);
           if (checksum(p, s.nbytes) != s.sum) ++bad;
           held.push_back(s);
           // Hold a random handful, release in random order.

@@ -96,6 +96,22 @@ TEST_CASE("PinRegistry registers each chunk lazily and once, with the portable f
     CHECK(sut.stats().failures == 0);
     CHECK(sut.stats().register_seconds >= 0.0);
   }
+  SECTION("contiguous_bytes() splits a range at chunk boundaries") {
+    CHECK(sut.contiguous_bytes(base, 10) == 10);
+    CHECK(sut.contiguous_bytes(base, mem.len()) == chunk);
+    CHECK(sut.contiguous_bytes(base + chunk - 10, 20) == 10);
+    CHECK(sut.contiguous_bytes(base + 3 * chunk + 1, 5 * kPage - 1) == 5 * kPage - 1);
+    CHECK(sut.contiguous_bytes(base + 7, 0) == 0);
+    CHECK_THROWS_AS(sut.contiguous_bytes(base + mem.len(), 1), InvalidArgument);
+    size_t pieces = 0;
+    for (size_t off = 5, left = mem.len() - 5; left > 0; ++pieces) {
+      const size_t n = sut.contiguous_bytes(base + off, left);
+      off += n;
+      left -= n;
+    }
+    CHECK(pieces == 4);
+    CHECK(fake.calls() == 0);
+  }
   SECTION("an empty range needs nothing") {
     CHECK(sut.ensure(base + 5, 0));
     CHECK(fake.calls() == 0);

@@ -31,7 +31,7 @@ TEST_CASE("a killed child is dead before and after it is reaped", "[identity]") 
   siginfo_t info;
   std::memset(&info, 0, sizeof(info));
   REQUIRE(::waitid(P_PID, pid, &info, WEXITED | WNOWAIT) == 0);
-  CHECK(::kill(pid, 0) == 0);  // a zombie still answers kill(pid, 0)...
+  CHECK(::kill(pid, 0) == 0);   // a zombie still answers kill(pid, 0)...
   CHECK_FALSE(sut.is_alive());  // ...but is not alive
   vsa_test::wait_child(pid);
   CHECK_FALSE(sut.is_alive());

@@ -43,7 +43,9 @@ inline int wait_child(pid_t pid, double timeout_s = 30.0) {
 }
 
 /// True if a child's wait status says it exited with code 0.
-inline bool exited_ok(int status) { return status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0; }
+inline bool exited_ok(int status) {
+  return status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
 
 /// A private directory, optionally a tmpfs of `size_bytes` (needs root; `mounted` says
 /// whether that worked). Removed on destruction.

@@ -1,0 +1,59 @@
+# The README's two commands are `make bench` and `make test`; both bootstrap a fresh machine.
+PY := .venv/bin/python
+SHELL := /bin/bash
+CLANG_FORMAT := .venv/bin/clang-format
+CXX_SOURCES = $(shell find csrc tests/cpp tests/fake_cudart benchmarks -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cu' 2>/dev/null)
+
+.PHONY: bootstrap bench bench-full test lint cpp-test py-test stress sanitize tsan asan gpu-check vllm-test format
+
+bootstrap:
+	@bash scripts/bootstrap.sh
+
+# Main job: the broadcast A/B benchmark (in-band pickle vs out-of-band vs arena).
+bench: bootstrap
+	$(PY) benchmarks/broadcast_ab.py
+
+bench-full: bootstrap
+	$(PY) benchmarks/broadcast_ab.py --full
+
+# Every test: lint, the core's Catch2 suite, the Python suite.
+test: bootstrap lint cpp-test py-test
+
+lint:
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(CLANG_FORMAT) --dry-run -Werror $(CXX_SOURCES)
+
+format:
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+	$(CLANG_FORMAT) -i $(CXX_SOURCES)
+
+cpp-test:
+	./build/cpp/core_tests --order rand --warn NoAssertions
+
+py-test:
+	$(PY) -m pytest -q -p no:cacheprovider tests/python; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+# Long soak runs, not part of `make test`.
+stress: bootstrap
+	VSA_STRESS=1 $(PY) -m pytest -q -p no:cacheprovider -m slow tests/python
+	./build/cpp/core_tests "[stress]"
+
+# Sanitizer builds of the core suite: ASan over everything, TSan over the threads variants
+# (it cannot see synchronisation between processes).
+asan:
+	cmake -S tests/cpp -B build/cpp-asan -DSANITIZE=address >/dev/null
+	cmake --build build/cpp-asan -j2 >/dev/null
+	ASAN_OPTIONS=detect_leaks=1 ./build/cpp-asan/core_tests
+
+tsan:
+	cmake -S tests/cpp -B build/cpp-tsan -DSANITIZE=thread >/dev/null
+	cmake --build build/cpp-tsan -j2 >/dev/null
+	./build/cpp-tsan/core_tests "[threads]"
+
+sanitize: asan tsan
+
+# On a machine with a GPU (see scripts/gpu_check.sh).
+gpu-check:
+	bash scripts/gpu_check.sh

@@ -1,0 +1,435 @@
+"""Broadcast A/B: in-band pickle vs out-of-band ``_reduce_tensor`` vs the shm tensor arena.
+
+One writer process broadcasts a seeded sequence of messages, each carrying one large CPU
+tensor (a ``pixel_values`` stand-in) plus small metadata, to TP reader processes through
+``vllm_shm_arena.MessageQueue``. Per message it records:
+
+* enqueue: the writer's ``enqueue`` call;
+* delivery: enqueue start -> the last reader holds the tensor;
+* consume: enqueue start -> the last reader has copied it into a preallocated buffer (the
+  CPU stand-in for the worker's H2D copy);
+* dequeue: reader time from the message's arrival to the object in hand;
+* host bytes moved (modelled: payload copies per mode, plus the consume copies).
+
+Messages are sent in lock-step (the next one after every reader acknowledged the previous
+one), so latencies are per message, not queueing effects. Prints ratios, never asserts.
+Results go to benchmarks/results/broadcast_ab.{json,md,png}.
+
+    python benchmarks/broadcast_ab.py            # default: TP {1,4} x {8,200} MB
+    python benchmarks/broadcast_ab.py --full     # TP {1,2,4,8} x {8,64,200} MB
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from vllm_shm_arena import MessageQueue  # noqa: E402
+
+MODES = ("inband", "oob", "arena")
+MODE_LABEL = {
+    "inband": "in-band pickle",
+    "oob": "out-of-band _reduce_tensor",
+    "arena": "shm tensor arena",
+}
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def copies_per_message(mode: str, tp: int) -> int:
+    """Payload copies on the host per message, by construction of each path (not counting
+    the readers' consume copy). in-band: serialize 1 + per reader transport 1 + unpickle 1;
+    out-of-band: per reader transport 1 (zero-copy send and rebuild); arena: 1 writer copy."""
+    return {"inband": 1 + 2 * tp, "oob": tp, "arena": 1}[mode]
+
+
+def _reader_main(handle, rank, conn, consume_bytes, consume="cpu"):
+    torch.set_num_threads(1)
+    if consume == "cuda":
+        torch.zeros(1, device="cuda")  # a context before the first tensor: the arena pins
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready()
+    dst = torch.zeros(consume_bytes, dtype=torch.uint8, device=consume)  # pre-touched
+    while True:
+        msg = mq.dequeue()
+        t_recv = time.perf_counter()
+        if msg is None:
+            break
+        t = msg["pixel_values"]
+        flat = t.reshape(-1).view(torch.uint8)
+        if consume == "cuda":
+            dst[: flat.numel()].copy_(flat, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+        else:
+            dst[: flat.numel()].copy_(flat)
+        t_cons = time.perf_counter()
+        ok = int(flat[0]) == msg["first"] and int(flat[-1]) == msg["last"]
+        del msg, t, flat
+        conn.send((t_recv, t_cons, mq.last_dequeue_s, ok))
+    conn.send(mq.stats())
+    mq.shutdown()
+
+
+def _start_readers(mq, tp, consume_bytes, consume="cpu"):
+    # CUDA cannot be used in a forked child of a process that touched it: spawn then.
+    ctx = mp.get_context("spawn" if consume == "cuda" else "fork")
+    conns, procs = [], []
+    for rank in range(tp):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(
+            target=_reader_main,
+            args=(mq.export_handle(), rank, child, consume_bytes, consume),
+            daemon=True,
+        )
+        p.start()
+        conns.append(parent)
+        procs.append(p)
+    mq.wait_until_ready()
+    return conns, procs
+
+
+def _stop_readers(mq, conns, procs):
+    mq.enqueue(None)
+    stats = [c.recv() for c in conns]
+    for p in procs:
+        p.join(timeout=30)
+    mq.shutdown()
+    return stats
+
+
+def _make_tensor(size_mb: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    n = size_mb * 1_000_000 // 2
+    return torch.randint(-(2**15), 2**15 - 1, (n,), generator=g, dtype=torch.int16).view(
+        torch.bfloat16
+    )
+
+
+def run_cell(mode, tp, size_mb, n_msgs, warmup, seed, bar=None, consume="cpu"):
+    """One (mode, TP, size) cell: fresh queue and readers, warm-up, then measured messages."""
+    t = _make_tensor(size_mb, seed)
+    raw = t.view(torch.uint8)
+    mq = MessageQueue(
+        tp, tp, max_chunk_bytes=16 << 20, max_chunks=10, enable_shm_tensor_arena=(mode == "arena")
+    )
+    mq.serialize_inband = mode == "inband"
+    conns, procs = _start_readers(mq, tp, t.numel() * t.element_size(), consume)
+    rows = []
+    try:
+        for i in range(warmup + n_msgs):
+            msg = {"pixel_values": t, "step": i, "first": int(raw[0]), "last": int(raw[-1])}
+            t0 = time.perf_counter()
+            mq.enqueue(msg)
+            t1 = time.perf_counter()
+            acks = [c.recv() for c in conns]
+            if not all(a[3] for a in acks):
+                raise RuntimeError(f"{mode} TP={tp} {size_mb} MB: a reader saw wrong bytes")
+            if i >= warmup:
+                rows.append(
+                    {
+                        "enqueue_ms": (t1 - t0) * 1e3,
+                        "delivery_ms": (max(a[0] for a in acks) - t0) * 1e3,
+                        "consume_ms": (max(a[1] for a in acks) - t0) * 1e3,
+                        "dequeue_us": max(a[2] for a in acks) * 1e6,
+                    }
+                )
+            if bar is not None:
+                bar.update(1)
+        writer_stats = mq.stats()
+    finally:
+        reader_stats = _stop_readers(mq, conns, procs)
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    nbytes = t.numel() * t.element_size()
+    cell = {
+        "mode": mode,
+        "tp": tp,
+        "size_mb": size_mb,
+        "messages": n_msgs,
+        **{f"{k}_p50": v for k, v in med.items()},
+        "delivery_ms_min": min(r["delivery_ms"] for r in rows),
+        "host_bytes_moved": (copies_per_message(mode, tp) + tp) * nbytes,
+        "arena_hits": writer_stats.get("arena", {}).get("hits", 0),
+        "arena_declined": writer_stats.get("arena", {}).get("declined", {}),
+        "overflow_messages": writer_stats["overflow_messages"],
+        "reader_overflow": sum(s.get("overflow_messages", 0) for s in reader_stats),
+    }
+    return cell
+
+
+def warm_memcpy_ms(size_mb: int, reps: int = 7) -> float:
+    """Median time of one warm memcpy of size_mb (torch copy_ between touched buffers)."""
+    n = size_mb * 1_000_000
+    src = torch.ones(n, dtype=torch.uint8)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def small_message_overhead(tp: int, n: int, seed: int) -> dict:
+    """p50 enqueue + dequeue of tensor-free messages, arena on vs off, interleaved."""
+    import random
+
+    rnd = random.Random(seed)
+    msg = {
+        "req_ids": [f"req-{rnd.randrange(10**9)}" for _ in range(64)],
+        "num_tokens": [rnd.randrange(4096) for _ in range(64)],
+        "step": 0,
+    }
+    queues = {}
+    for on in (False, True):
+        mq = MessageQueue(tp, tp, enable_shm_tensor_arena=on)
+        queues[on] = (mq, *_start_readers_small(mq, tp))
+    samples = {False: [], True: []}
+    for i in range(n):
+        for on in (False, True) if i % 2 == 0 else (True, False):
+            mq, conns, _ = queues[on]
+            t0 = time.perf_counter()
+            mq.enqueue(msg)
+            enq = time.perf_counter() - t0
+            deq = max(c.recv() for c in conns)
+            samples[on].append((enq + deq) * 1e6)
+    for on in (False, True):
+        mq, conns, procs = queues[on]
+        mq.enqueue(None)
+        for p in procs:
+            p.join(timeout=30)
+        mq.shutdown()
+    off = statistics.median(samples[False])
+    on = statistics.median(samples[True])
+    return {"tp": tp, "messages": n, "off_p50_us": off, "on_p50_us": on, "ratio": on / off}
+
+
+def _small_reader(handle, rank, conn):
+    mq = MessageQueue.create_from_handle(handle, rank)
+    mq.wait_until_ready()
+    while True:
+        msg = mq.dequeue()
+        if msg is None:
+            break
+        conn.send(mq.last_dequeue_s)
+    mq.shutdown()
+
+
+def _start_readers_small(mq, tp):
+    ctx = mp.get_context("fork")
+    conns, procs = [], []
+    for rank in range(tp):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_small_reader, args=(mq.export_handle(), rank, child), daemon=True)
+        p.start()
+        conns.append(parent)
+        procs.append(p)
+    mq.wait_until_ready()
+    return conns, procs
+
+
+def write_outputs(result: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    stem = "broadcast_ab" if result["consume"] == "cpu" else f"broadcast_ab_{result['consume']}"
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    lines = [
+        f"# Broadcast A/B ({result['machine']['summary']})",
+        "",
+        f"Run: `{result['command']}` on {result['date']}. Medians over {result['messages']} "
+        "measured messages per cell after warm-up; lock-step (one message in flight); "
+        f"readers consume into {result['consume']} memory.",
+        "",
+        "| size MB | TP | mode | enqueue ms | delivery ms | consume ms | reader dequeue µs "
+        "| host GB moved | arena hits |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in result["cells"]:
+        lines.append(
+            f"| {c['size_mb']} | {c['tp']} | {MODE_LABEL[c['mode']]} | {c['enqueue_ms_p50']:.1f} "
+            f"| {c['delivery_ms_p50']:.1f} | {c['consume_ms_p50']:.1f} | {c['dequeue_us_p50']:.0f} "
+            f"| {c['host_bytes_moved'] / 1e9:.2f} | {c['arena_hits']} |"
+        )
+    lines += ["", "## Ratios", ""]
+    for k, v in result["ratios"].items():
+        lines.append(f"- {k}: **{v:.2f}**" if isinstance(v, float) else f"- {k}: {v}")
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    sizes = sorted({c["size_mb"] for c in result["cells"]})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
+    for ax, size in zip(axes[0], sizes, strict=True):
+        for mode in MODES:
+            cs = sorted(
+                (c for c in result["cells"] if c["size_mb"] == size and c["mode"] == mode),
+                key=lambda c: c["tp"],
+            )
+            if cs:
+                ax.plot(
+                    [c["tp"] for c in cs],
+                    [c["delivery_ms_p50"] for c in cs],
+                    marker="o",
+                    label=MODE_LABEL[mode],
+                )
+        ax.set_title(f"{size} MB tensor: delivery latency (p50)")
+        ax.set_xlabel("TP (reader processes)")
+        ax.set_ylabel("ms")
+        ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(result["machine"]["summary"])
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, f"{stem}.png"), dpi=110)
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "mem_gib": round(mem_gb, 1),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "summary": f"{os.cpu_count()} cores, {mem_gb:.0f} GiB, {cpu}",
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--full", action="store_true", help="TP {1,2,4,8} x {8,64,200} MB")
+    ap.add_argument("--tp", type=int, nargs="+")
+    ap.add_argument("--sizes", type=int, nargs="+", help="tensor sizes in MB")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--messages", type=int, default=10, help="measured messages per cell")
+    ap.add_argument("--warmup", type=int, default=8, help="warm-up messages (>= slots)")
+    ap.add_argument("--small-messages", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument(
+        "--consume",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="what readers do with the tensor: copy into host memory, or H2D to GPU 0",
+    )
+    args = ap.parse_args(argv)
+    tps = args.tp or ([1, 2, 4, 8] if args.full else [1, 4])
+    sizes = args.sizes or ([8, 64, 200] if args.full else [8, 200])
+    print(f"seed={args.seed}  TP={tps}  sizes MB={sizes}  modes={args.modes}", flush=True)
+
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(tps) * len(sizes) * len(args.modes) * (args.messages + args.warmup))
+    except ImportError:
+        bar = None
+    memcpy = {s: warm_memcpy_ms(s) for s in sizes}
+    cells = []
+    for size in sizes:
+        for tp in tps:
+            for mode in args.modes:
+                if bar is not None:
+                    bar.set_description(f"{size}MB TP={tp} {mode}")
+                cells.append(
+                    run_cell(
+                        mode, tp, size, args.messages, args.warmup, args.seed, bar, args.consume
+                    )
+                )
+    if bar is not None:
+        bar.close()
+    small = small_message_overhead(max(tps), args.small_messages, args.seed)
+
+    def cell(mode, tp, size):
+        for c in cells:
+            if (c["mode"], c["tp"], c["size_mb"]) == (mode, tp, size):
+                return c
+        return None
+
+    ratios = {}
+    big = max(sizes)
+    tp_hi = max(tps)
+    a, o = cell("arena", tp_hi, big), cell("oob", tp_hi, big)
+    if a:
+        ratios[f"arena delivery / warm memcpy ({big} MB, TP={tp_hi})"] = (
+            a["delivery_ms_p50"] / memcpy[big]
+        )
+    if a and o:
+        ratios[f"out-of-band / arena delivery ({big} MB, TP={tp_hi})"] = (
+            o["delivery_ms_p50"] / a["delivery_ms_p50"]
+        )
+    a1 = cell("arena", min(tps), big)
+    if a and a1:
+        ratios[f"arena delivery TP={tp_hi} / TP={min(tps)} ({big} MB)"] = (
+            a["delivery_ms_p50"] / a1["delivery_ms_p50"]
+        )
+    ar = [c["dequeue_us_p50"] for c in cells if c["mode"] == "arena"]
+    if ar:
+        ratios["arena reader dequeue p50, max over cells (us)"] = max(ar)
+    ratios[f"tensor-free messages p50 enqueue+dequeue, arena on / off (TP={small['tp']})"] = small[
+        "ratio"
+    ]
+    ib = cell("inband", tp_hi, big)
+    if ib and a:
+        ratios[f"in-band / arena delivery ({big} MB, TP={tp_hi})"] = (
+            ib["delivery_ms_p50"] / a["delivery_ms_p50"]
+        )
+
+    result = {
+        "command": " ".join(["python", "benchmarks/broadcast_ab.py", *(argv or sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "seed": args.seed,
+        "consume": args.consume,
+        "messages": args.messages,
+        "warmup": args.warmup,
+        "machine": machine_info(),
+        "warm_memcpy_ms": memcpy,
+        "cells": cells,
+        "small_messages": small,
+        "ratios": ratios,
+    }
+    hdr = (
+        f"{'size':>5} {'TP':>3} {'mode':<28} {'enqueue':>9} {'delivery':>9} {'consume':>9} "
+        f"{'dequeue':>9} {'GB moved':>9}"
+    )
+    print()
+    print(hdr)
+    for c in cells:
+        print(
+            f"{c['size_mb']:>4}M {c['tp']:>3} {MODE_LABEL[c['mode']]:<28} "
+            f"{c['enqueue_ms_p50']:>7.1f}ms {c['delivery_ms_p50']:>7.1f}ms "
+            f"{c['consume_ms_p50']:>7.1f}ms {c['dequeue_us_p50']:>7.0f}us "
+            f"{c['host_bytes_moved'] / 1e9:>9.2f}"
+        )
+    print("\nwarm memcpy ms:", {k: round(v, 1) for k, v in memcpy.items()})
+    print("ratios:")
+    for k, v in ratios.items():
+        print(f"  {k}: {v:.3f}")
+    write_outputs(result, args.out)
+    print(f"\nwrote {args.out}/broadcast_ab.{{json,md,png}}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Pinning and event-gated release through the real bindings, against a fake CUDA runtime.
+
+The fake (tests/fake_cudart/fake_cudart.c, built into build/cpp by the test command) is loaded
+through VLLM_SHM_ARENA_CUDART, exactly where the shim would otherwise find the runtime torch
+loaded. "This process has a CUDA context" is forced by setting arena._cuda_seen, which is what
+torch.cuda.is_initialized() would flip on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import vllm_shm_arena.arena as arena_mod
+from vllm_shm_arena import ShmTensorArena
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FAKE = os.path.join(ROOT, "build", "cpp", "libfakecudart.so")
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(FAKE), reason=f"fake CUDA runtime not built ({FAKE}); run make test"
+)
+
+SLOT = 4 << 20
+STREAM = 0x5EED  # any non-null cudaStream_t value; the fake only records it
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    monkeypatch.setenv("VLLM_SHM_ARENA_CUDART", FAKE)
+    lib = ctypes.CDLL(FAKE)
+    for name in ("fake_cudart_registered_bytes", "fake_cudart_register_count"):
+        getattr(lib, name).restype = ctypes.c_size_t
+    lib.fake_cudart_register_count.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.fake_cudart_last_record_stream.restype = ctypes.c_void_p
+    lib.fake_cudart_reset()
+    yield lib
+    lib.fake_cudart_reset()
+
+
+@pytest.fixture
+def context(monkeypatch):
+    monkeypatch.setattr(arena_mod, "_cuda_seen", True)
+
+
+def _pair(num_slots=2):
+    w = ShmTensorArena.create(1, num_slots=num_slots, slot_bytes=SLOT)
+    r = ShmTensorArena.attach(w.handle(), 0)
+    w.unlink()
+    return w, r
+
+
+def _get(w, r, value=7):
+    t = torch.full((SLOT,), value, dtype=torch.uint8)
+    slot, gen = w._write(t)
+    return r.get_tensor(slot, SLOT, torch.uint8, (SLOT,), generation=gen)
+
+
+def test_registers_the_data_region_once(fake, context):
+    w, r = _pair(num_slots=3)
+    a = _get(w, r)
+    b = _get(w, r)
+    assert fake.fake_cudart_register_calls() == 1
+    # One registration covering every slot: a copy never crosses two registrations.
+    assert fake.fake_cudart_registered_bytes() == 3 * SLOT
+    assert r.stats()["pinned_bytes"] == 3 * SLOT
+    assert fake.fake_cudart_last_register_flags() == 1  # cudaHostRegisterPortable
+    for t in (a, b):
+        ptr, n = ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(SLOT)
+        assert fake.fake_cudart_is_registered(ptr, n) == 1
+    del a, b
+
+
+def test_freed_slot_waits_for_its_event(fake, context):
+    w, r = _pair(num_slots=1)
+    fake.fake_cudart_hold_events(1)
+    t = _get(w, r)
+    del t  # storage freed: now only the (fake) DMA may still read the slot
+    assert w.write_tensor(torch.zeros(16, dtype=torch.uint8)) is None  # not released yet
+    assert r.flush_releases(STREAM) == 0  # event recorded, still pending
+    assert fake.fake_cudart_last_record_stream() == STREAM
+    assert r.stats()["pending_releases"] == 1
+    assert w.write_tensor(torch.zeros(16, dtype=torch.uint8)) is None
+    fake.fake_cudart_complete_all()
+    assert r.flush_releases(STREAM) == 1
+    assert w.write_tensor(torch.zeros(16, dtype=torch.uint8)) is not None
+    assert fake.fake_cudart_live_events() <= 1  # pooled, not leaked
+
+
+def test_views_keep_the_slot_until_the_last_dies(fake, context):
+    w, r = _pair(num_slots=1)
+    t = _get(w, r)
+    view = t[10:20]
+    del t
+    assert r.flush_releases(STREAM) == 0
+    assert r.stats()["pending_releases"] == 0  # the view still holds the storage
+    del view
+    assert r.flush_releases(STREAM) == 1
+
+
+def test_unpinned_release_is_immediate_and_calls_nothing(fake):
+    # No CUDA context: the runtime must not even be looked at.
+    w, r = _pair(num_slots=1)
+    t = _get(w, r)
+    del t
+    assert w.write_tensor(torch.zeros(16, dtype=torch.uint8)) is not None
+    assert r.flush_releases() == 0
+    assert fake.fake_cudart_calls() == 0
+
+
+def test_registration_failure_leaves_the_arena_working(fake, context, capfd):
+    fake.fake_cudart_fail_register(2)  # cudaErrorMemoryAllocation
+    w, r = _pair(num_slots=1)
+    for v in (1, 2, 3):
+        t = _get(w, r, value=v)
+        assert int(t[0]) == v and int(t[-1]) == v
+        del t  # unpinned: released at once
+    assert fake.fake_cudart_register_calls() == 1  # tried once, never retried
+    assert r.stats()["pin_failed"] is True
+    assert r.stats()["pinned_bytes"] == 0
+    err = capfd.readouterr().err
+    assert err.count("cudaHostRegister") == 1  # logged once
+
+
+def test_process_without_context_never_calls_runtime():
+    # A clean interpreter: point the shim at the fake, never create a context, use the arena.
+    code = textwrap.dedent(
+        f"""
+        import ctypes, torch
+        from vllm_shm_arena import ShmTensorArena, dumps, loads
+        w = ShmTensorArena.create(1, num_slots=2, slot_bytes={SLOT})
+        r = ShmTensorArena.attach(w.handle(), 0)
+        t = torch.ones({SLOT}, dtype=torch.uint8)
+        for _ in range(3):
+            out = loads(*dumps({{"t": t}}, w))  # below MIN_BYTES: out-of-band
+            s = w.write_tensor(t)
+            x = r.get_tensor(s, {SLOT}, torch.uint8, ({SLOT},))
+            del x, out
+            r.flush_releases()
+        lib = ctypes.CDLL({FAKE!r})
+        print("calls", lib.fake_cudart_calls())
+        """
+    )
+    env = dict(os.environ, VLLM_SHM_ARENA_CUDART=FAKE)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "calls 0" in out.stdout

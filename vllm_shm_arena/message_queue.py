@@ -1,0 +1,540 @@
+"""``MessageQueue``: vLLM's broadcast queue interface with the tensor arena wired in.
+
+One writer (the engine) sends every message to ``n_reader`` readers (the workers):
+
+* node-local readers read a shared-memory ring of ``max_chunks`` chunks, in order; a message
+  too big for a chunk leaves an "overflow" marker in the ring and travels over a local
+  ZeroMQ XPUB socket (abstract ``ipc://@...`` address: nothing left on disk after a kill);
+* remote readers receive everything over a TCP XPUB socket;
+* with ``enable_shm_tensor_arena=True`` and every reader node-local, large CPU tensors go into
+  a ``ShmTensorArena`` instead: one copy, read zero-copy by all readers.
+
+Works without vLLM; the vLLM plugin swaps it in for vLLM's own queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from vllm_shm_arena._ext import _C
+from vllm_shm_arena.arena import ArenaHandle, ShmTensorArena
+from vllm_shm_arena.pickler import Dumped, dump_message, dumps_inband, loads
+
+logger = logging.getLogger("vllm_shm_arena")
+
+#: How long a blocking wait sleeps in C++ before Python checks for shutdown/timeouts.
+_WAIT_SLICE_S = 0.1
+#: Frames at least this big are sent over ZeroMQ without a copy (and tracked until sent).
+_ZERO_COPY_MIN = 64 << 10
+#: A reader holding slots this long is reported as starving the arena.
+_STARVING_AGE_S = 30.0
+#: Warn about a long wait every this many seconds.
+_WAIT_WARN_S = 60.0
+
+_ARENA_NUM_SLOTS = int(os.environ.get("VLLM_SHM_ARENA_NUM_SLOTS", "8"))
+_ARENA_SLOT_BYTES = int(os.environ.get("VLLM_SHM_ARENA_SLOT_MB", "256")) << 20
+
+
+@dataclass
+class Handle:
+    """What a reader needs to join a queue (picklable; works with fork and spawn)."""
+
+    local_reader_ranks: list[int] = field(default_factory=list)
+    buffer_handle: tuple | None = None  # (ring shm name, shm dir)
+    local_subscribe_addr: str | None = None
+    remote_subscribe_addr: str | None = None
+    remote_addr_ipv6: bool = False
+    tensor_arena_handle: ArenaHandle | None = None
+
+
+class _RateLimitedLog:
+    """One log line per key per interval."""
+
+    def __init__(self, interval_s: float = 10.0):
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+
+    def __call__(self, key: str, level: int, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -1e9) >= self.interval_s:
+            self._last[key] = now
+            logger.log(level, msg, *args)
+
+
+def _diverted_header(diverted: list[tuple[int, int]]) -> bytes:
+    """Frame 0 of every message: the arena slots it references (released by a reader that
+    fails to unpickle it)."""
+    if not diverted:
+        return b""
+    flat = [x for pair in diverted for x in pair]
+    return struct.pack(f"<{len(flat)}Q", *flat)
+
+
+def _parse_diverted(frame) -> list[tuple[int, int]]:
+    mv = memoryview(frame).cast("B")
+    if len(mv) % 16:
+        return []
+    flat = struct.unpack(f"<{len(mv) // 8}Q", mv)
+    return list(zip(flat[0::2], flat[1::2], strict=True))
+
+
+class MessageQueue:
+    """A broadcast queue from one writer to ``n_reader`` readers (vLLM's interface).
+
+    The writer constructs it; readers join with ``create_from_handle(writer.export_handle(),
+    rank)``; everyone calls ``wait_until_ready()``. Then the writer ``enqueue``s and every
+    reader ``dequeue``s every message, in order.
+    """
+
+    def __init__(
+        self,
+        n_reader: int,
+        n_local_reader: int,
+        local_reader_ranks: list[int] | None = None,
+        max_chunk_bytes: int = 16 << 20,
+        max_chunks: int = 10,
+        connect_ip: str | None = None,
+        *,
+        enable_shm_tensor_arena: bool = False,
+    ):
+        if n_reader < 0 or n_local_reader < 0 or n_local_reader > n_reader:
+            raise ValueError(
+                f"need 0 <= n_local_reader ({n_local_reader}) <= n_reader ({n_reader})"
+            )
+        if local_reader_ranks is None:
+            local_reader_ranks = list(range(n_local_reader))
+        if len(local_reader_ranks) != n_local_reader:
+            raise ValueError(
+                f"local_reader_ranks has {len(local_reader_ranks)} entries, "
+                f"n_local_reader is {n_local_reader}"
+            )
+        self.n_reader = n_reader
+        self.n_local_reader = n_local_reader
+        self.n_remote_reader = n_reader - n_local_reader
+        self.max_chunk_bytes = max_chunk_bytes
+        self._is_writer = True
+        self._is_local_reader = False
+        self._is_remote_reader = False
+        self.local_reader_rank = -1
+        self._shutdown = threading.Event()
+        self._ctx = zmq.Context()
+        self._log = _RateLimitedLog()
+        self._counters = {"messages": 0, "ring_messages": 0, "overflow_messages": 0, "bytes": 0}
+        self._ready = False
+        #: Pickle tensor bytes inside the stream (the pre-out-of-band baseline; benchmarks).
+        self.serialize_inband = False
+
+        self._ring = None
+        self.local_socket = None
+        self.remote_socket = None
+        local_addr = remote_addr = None
+        if n_local_reader > 0:
+            self._ring = _C.RingWriter(n_local_reader, max_chunks, max_chunk_bytes)
+            self.local_socket = self._xpub()
+            local_addr = f"ipc://@vsa-{secrets.token_hex(16)}"
+            self.local_socket.bind(local_addr)
+        if self.n_remote_reader > 0:
+            if connect_ip is None:
+                raise ValueError("remote readers need connect_ip (an address they can reach)")
+            self.remote_socket = self._xpub()
+            port = self.remote_socket.bind_to_random_port(f"tcp://{connect_ip}")
+            remote_addr = f"tcp://{connect_ip}:{port}"
+
+        self.arena: ShmTensorArena | None = None
+        if enable_shm_tensor_arena:
+            if self.n_remote_reader > 0 or n_local_reader == 0:
+                logger.warning(
+                    "shm tensor arena disabled for this queue: %d of %d readers are remote "
+                    "(the arena needs every reader on this node); using the out-of-band path",
+                    self.n_remote_reader,
+                    n_reader,
+                )
+            else:
+                self.arena = ShmTensorArena.create(
+                    n_local_reader, num_slots=_ARENA_NUM_SLOTS, slot_bytes=_ARENA_SLOT_BYTES
+                )
+        self._last_decline = {}
+        self._last_report = 0.0
+        self.handle = Handle(
+            local_reader_ranks=list(local_reader_ranks),
+            buffer_handle=(self._ring.name, self._ring.dir) if self._ring else None,
+            local_subscribe_addr=local_addr,
+            remote_subscribe_addr=remote_addr,
+            tensor_arena_handle=self.arena.handle() if self.arena else None,
+        )
+
+    def _xpub(self):
+        s = self._ctx.socket(zmq.XPUB)
+        s.setsockopt(zmq.XPUB_VERBOSE, 1)
+        s.setsockopt(zmq.SNDHWM, 0)  # never drop a message for a slow subscriber
+        s.setsockopt(zmq.LINGER, 0)
+        return s
+
+    # ------------------------------------------------------------------ joining
+    def export_handle(self) -> Handle:
+        """The handle readers pass to ``create_from_handle``."""
+        return self.handle
+
+    @staticmethod
+    def create_from_handle(handle: Handle, rank: int) -> MessageQueue:
+        """Joins the queue described by ``handle`` as reader ``rank``."""
+        self = MessageQueue.__new__(MessageQueue)
+        self.handle = handle
+        self._is_writer = False
+        self._shutdown = threading.Event()
+        self._ctx = zmq.Context()
+        self._log = _RateLimitedLog()
+        self._counters = {"messages": 0, "ring_messages": 0, "overflow_messages": 0, "bytes": 0}
+        self._ring = None
+        self.local_socket = self.remote_socket = None
+        self.arena = None
+        self._ready = False
+        self.last_dequeue_s = 0.0
+        self.n_local_reader = len(handle.local_reader_ranks)
+        if rank in handle.local_reader_ranks:
+            self._is_local_reader = True
+            self._is_remote_reader = False
+            self.local_reader_rank = handle.local_reader_ranks.index(rank)
+            name, shm_dir = handle.buffer_handle
+            self._ring = _C.RingReader(name, self.local_reader_rank, shm_dir)
+            if handle.tensor_arena_handle is not None:
+                self.arena = ShmTensorArena.attach(
+                    handle.tensor_arena_handle, self.local_reader_rank
+                )
+            self.local_socket = self._sub(handle.local_subscribe_addr)
+        else:
+            self._is_local_reader = False
+            self._is_remote_reader = True
+            self.local_reader_rank = -1
+            if handle.remote_subscribe_addr is None:
+                raise ValueError(
+                    f"rank {rank} is not a local reader and the queue has no remote socket"
+                )
+            self.remote_socket = self._sub(handle.remote_subscribe_addr)
+        return self
+
+    def _sub(self, addr: str):
+        s = self._ctx.socket(zmq.SUB)
+        s.setsockopt(zmq.RCVHWM, 0)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt_string(zmq.SUBSCRIBE, "")
+        s.connect(addr)
+        return s
+
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Writer: waits for every reader to subscribe, then tells them to start. Readers:
+        wait for that. Afterwards the shm names are unlinked, so nothing is left in
+        ``/dev/shm`` even if every process is killed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._is_writer:
+            for sock, n in (
+                (self.local_socket, self.n_local_reader),
+                (self.remote_socket, self.n_remote_reader),
+            ):
+                if sock is None:
+                    continue
+                for _ in range(n):
+                    self._poll(sock, deadline, "readers to subscribe")
+                    sock.recv()
+                sock.send(b"READY")
+            # Every local reader has mapped the ring and the arena: drop the names.
+            if self._ring is not None:
+                self._ring.unlink()
+            if self.arena is not None:
+                self.arena.unlink()
+        else:
+            sock = self.local_socket if self._is_local_reader else self.remote_socket
+            self._poll(sock, deadline, "the writer's READY")
+            msg = sock.recv()
+            if msg != b"READY":
+                raise RuntimeError(f"unexpected first message on the queue socket: {msg[:32]!r}")
+        self._ready = True
+
+    def _poll(self, sock, deadline, what):
+        while True:
+            if self._shutdown.is_set():
+                raise RuntimeError("MessageQueue was shut down")
+            wait = (
+                _WAIT_SLICE_S
+                if deadline is None
+                else min(_WAIT_SLICE_S, deadline - time.monotonic())
+            )
+            if wait <= 0:
+                raise TimeoutError(f"timed out waiting for {what}")
+            if sock.poll(int(wait * 1000)):
+                return
+
+    # ------------------------------------------------------------------ writer
+    def enqueue(self, obj: Any, timeout: float | None = None) -> None:
+        """Sends ``obj`` to every reader. Returns only when the caller may mutate or free
+        everything it passed (nothing sent aliases the caller's memory any more)."""
+        if not self._is_writer:
+            raise RuntimeError("only the writer can enqueue")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.serialize_inband:
+            dumped = Dumped(dumps_inband(obj), [], [])
+        else:
+            dumped = dump_message(obj, self.arena)
+        frames = [_diverted_header(dumped.diverted), dumped.data, *dumped.buffers]
+        try:
+            self._send(frames, deadline)
+        except BaseException:
+            if self.arena is not None and dumped.diverted:
+                # Nothing was published: readers never saw the stubs.
+                self.arena._abort(dumped.diverted)
+            raise
+        self._counters["messages"] += 1
+        if self.arena is not None:
+            now = time.monotonic()
+            if dumped.diverted or now - self._last_report >= 1.0:
+                self._last_report = now
+                self._report_arena()
+
+    def _send(self, frames: list, deadline: float | None) -> None:
+        sizes = [memoryview(f).nbytes for f in frames]
+        self._counters["bytes"] += sum(sizes)
+        if self._ring is not None:
+            fits = _C.RingWriter.packed_bytes(sizes) <= self.max_chunk_bytes
+            while True:
+                left = self._time_left(deadline, "a free ring chunk (readers are slow or stuck)")
+                slice_s = _WAIT_SLICE_S if left is None else min(_WAIT_SLICE_S, left)
+                if fits:
+                    status = self._ring.write(frames, 0, slice_s)
+                else:
+                    status = (
+                        "ok"
+                        if self._ring.write_marker(_C.RING_FLAG_OVERFLOW, slice_s)
+                        else "timeout"
+                    )
+                    status = "overflow" if status == "ok" else status
+                if status != "timeout":
+                    break
+            if status == "ok":
+                self._counters["ring_messages"] += 1
+            else:  # "overflow" or "no_space": the ring holds a marker, the socket the message
+                if status == "no_space":
+                    self._log(
+                        "no_space_ring",
+                        logging.WARNING,
+                        "ring chunk could not be backed (/dev/shm full); "
+                        "message sent over the socket",
+                    )
+                self._counters["overflow_messages"] += 1
+                self._send_socket(self.local_socket, frames, deadline)
+        if self.remote_socket is not None:
+            self._send_socket(self.remote_socket, frames, deadline)
+
+    def _send_socket(self, sock, frames: list, deadline: float | None) -> None:
+        trackers = []
+        for i, f in enumerate(frames):
+            more = zmq.SNDMORE if i + 1 < len(frames) else 0
+            if memoryview(f).nbytes >= _ZERO_COPY_MIN:
+                # Zero-copy, tracked per frame (send_multipart's tracker covers only the last
+                # frame): we wait below until ZeroMQ no longer reads the caller's memory.
+                trackers.append(sock.send(f, more, copy=False, track=True))
+            else:
+                sock.send(f, more, copy=True)
+        for t in trackers:
+            while not t.done:
+                self._time_left(deadline, "ZeroMQ to finish sending")
+                try:
+                    t.wait(_WAIT_SLICE_S)
+                except zmq.NotDone:
+                    pass
+
+    def _time_left(self, deadline, what):
+        if self._shutdown.is_set():
+            raise RuntimeError("MessageQueue was shut down")
+        if deadline is None:
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"timed out waiting for {what}")
+        return left
+
+    def _report_arena(self) -> None:
+        s = self.arena.stats()
+        d = s["declined"]
+        for key, what in (
+            (
+                "no_free_slot",
+                "arena exhausted (every slot held by readers); "
+                "tensors fell back to the out-of-band path",
+            ),
+            (
+                "oversize",
+                f"tensor larger than an arena slot ({self.arena.slot_bytes >> 20} MiB) "
+                "fell back to the out-of-band path",
+            ),
+            ("no_space", "/dev/shm is full: arena writes fall back to the out-of-band path"),
+        ):
+            if d[key] != self._last_decline.get(key, 0):
+                self._last_decline[key] = d[key]
+                self._log(key, logging.WARNING, "vllm_shm_arena: %s (%d so far)", what, d[key])
+        for h in s["holdings"]:
+            if h["slots_held"] and h["oldest_age_s"] > _STARVING_AGE_S:
+                self._log(
+                    f"starve{h['rank']}",
+                    logging.WARNING,
+                    "vllm_shm_arena: reader %d has held %d arena slot(s) for %.0f s; "
+                    "tensors kept alive this long starve the arena",
+                    h["rank"],
+                    h["slots_held"],
+                    h["oldest_age_s"],
+                )
+
+    # ------------------------------------------------------------------ reader
+    def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
+        """Receives the next message. Raises ``TimeoutError`` after ``timeout`` seconds and
+        ``RuntimeError`` once the queue is shut down. ``indefinite`` silences the periodic
+        "still waiting" log line."""
+        if self._is_writer:
+            raise RuntimeError("the writer cannot dequeue")
+        if self.arena is not None:
+            self.arena.flush_releases()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        warned_at = started
+        if self._is_local_reader:
+            while True:
+                if self._shutdown.is_set():
+                    raise RuntimeError("MessageQueue was shut down")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError("timed out waiting for a message")
+                status, flags, frames = self._ring.read(
+                    _WAIT_SLICE_S if left is None else min(_WAIT_SLICE_S, left)
+                )
+                if status == "ok":
+                    arrived = time.perf_counter()
+                    break
+                if status == "shutdown":
+                    raise RuntimeError("MessageQueue was shut down by the writer")
+                if not indefinite and time.monotonic() - warned_at > _WAIT_WARN_S:
+                    warned_at = time.monotonic()
+                    logger.info("no message for %.0f s (still waiting)", warned_at - started)
+            if flags & _C.RING_FLAG_OVERFLOW:
+                frames = self._recv_socket(self.local_socket, deadline)
+                self._counters["overflow_messages"] += 1
+            else:
+                self._counters["ring_messages"] += 1
+        else:
+            frames = self._recv_socket(self.remote_socket, deadline)
+            arrived = time.perf_counter()
+        self._counters["messages"] += 1
+        obj = self._unpickle(frames)
+        #: Seconds from the message's arrival (ring chunk seen) to the object in hand.
+        self.last_dequeue_s = time.perf_counter() - arrived
+        return obj
+
+    def _recv_socket(self, sock, deadline):
+        self._poll(sock, deadline, "a message on the socket")
+        # Zero-copy frames: each belongs to this reader for good, so tensors may alias them.
+        return [f.buffer for f in sock.recv_multipart(copy=False)]
+
+    def _unpickle(self, frames):
+        diverted = _parse_diverted(frames[0]) if len(frames[0]) else []
+        try:
+            return loads(frames[1], frames[2:])
+        except BaseException:
+            if self.arena is not None:
+                for slot, gen in diverted:
+                    self.arena._release_unacquired(slot, gen)
+            raise
+
+    # ------------------------------------------------------------------ both
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """Writer: enqueue ``obj`` and return it. Reader: return the next message."""
+        if self._is_writer:
+            self.enqueue(obj)
+            return obj
+        return self.dequeue()
+
+    def stats(self) -> dict:
+        """Queue counters, plus the arena's (hits, bytes, declined{...}, per-reader holdings)
+        when it has one."""
+        out = dict(self._counters)
+        out["role"] = (
+            "writer"
+            if self._is_writer
+            else ("local_reader" if self._is_local_reader else "remote_reader")
+        )
+        if self._is_writer and self._ring is not None:
+            out["dropped_readers"] = self._ring.dropped_readers()
+        if self.arena is not None:
+            out["arena"] = self.arena.stats()
+        return out
+
+    def shutdown(self) -> None:
+        """Stops the queue. A reader blocked in ``dequeue`` (in this process, or every reader
+        when called on the writer) wakes and raises ``RuntimeError``."""
+        if self._shutdown.is_set():
+            return
+        self._shutdown.set()
+        if self._is_writer and self._ring is not None:
+            self._ring.shutdown()
+        for s in (self.local_socket, self.remote_socket):
+            if s is not None:
+                s.close(linger=0)
+        if self.arena is not None and self._is_writer:
+            self.arena.close()
+
+    def __del__(self):
+        try:
+            if not self._shutdown.is_set() and self._is_writer and self._ring is not None:
+                self._ring.shutdown()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------ process groups
+    @staticmethod
+    def create_from_process_group(
+        pg,
+        max_chunk_bytes: int,
+        max_chunks: int,
+        writer_rank: int = 0,
+        *,
+        enable_shm_tensor_arena: bool = False,
+    ) -> MessageQueue:
+        """Builds a queue over a torch.distributed group (e.g. gloo): ``writer_rank`` writes,
+        every other rank reads; readers on the writer's host use shared memory."""
+        import torch.distributed as dist
+
+        group_rank = dist.get_rank(pg)
+        world = dist.get_world_size(pg)
+        ranks = dist.get_process_group_ranks(pg)
+        hosts = [None] * world
+        dist.all_gather_object(hosts, socket.gethostname(), group=pg)
+        local = [r for r in range(world) if r != writer_rank and hosts[r] == hosts[writer_rank]]
+        n_reader = world - 1
+        if group_rank == writer_rank:
+            connect_ip = None
+            if len(local) < n_reader:
+                connect_ip = socket.gethostbyname(socket.gethostname())
+            mq = MessageQueue(
+                n_reader,
+                len(local),
+                local,
+                max_chunk_bytes=max_chunk_bytes,
+                max_chunks=max_chunks,
+                connect_ip=connect_ip,
+                enable_shm_tensor_arena=enable_shm_tensor_arena,
+            )
+            obj = [mq.export_handle()]
+            dist.broadcast_object_list(obj, src=ranks[writer_rank], group=pg)
+        else:
+            obj = [None]
+            dist.broadcast_object_list(obj, src=ranks[writer_rank], group=pg)
+            mq = MessageQueue.create_from_handle(obj[0], group_rank)
+        mq.wait_until_ready()
+        return mq
