@@ -45,3 +45,101 @@ void FixedSlotPolicy::mark_used(const Placement& p) {
 }
 
 }  // namespace vllm_shm_arena
+
+namespace vllm_shm_arena {
+
+namespace {
+constexpr uint64_t kPage = 4096;
+uint64_t round_page(uint64_t n) { return n == 0 ? kPage : (n + kPage - 1) / kPage * kPage; }
+}  // namespace
+
+VariablePolicy::VariablePolicy(uint32_t max_records, uint64_t data_offset, uint64_t data_bytes)
+    : data_offset_(data_offset), data_bytes_(data_bytes), record_free_(max_records, true) {
+  for (uint32_t i = max_records; i-- > 0;) free_records_.push_back(i);
+  insert_extent(data_offset, data_bytes);
+}
+
+void VariablePolicy::insert_extent(uint64_t off, uint64_t len) {
+  if (len == 0) return;
+  // Coalesce with the extent ending at `off` and the one starting at `off + len`.
+  auto next = by_offset_.lower_bound(off);
+  if (next != by_offset_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == off) {
+      off = prev->first;
+      len += prev->second;
+      erase_extent(prev);
+    }
+  }
+  next = by_offset_.find(off + len);
+  if (next != by_offset_.end()) {
+    len += next->second;
+    erase_extent(next);
+  }
+  by_offset_.emplace(off, len);
+  by_size_.emplace(len, off);
+  free_bytes_ += len;
+}
+
+void VariablePolicy::erase_extent(std::map<uint64_t, uint64_t>::iterator it) {
+  by_size_.erase({it->second, it->first});
+  free_bytes_ -= it->second;
+  by_offset_.erase(it);
+}
+
+uint64_t VariablePolicy::largest_free_extent() const {
+  return by_size_.empty() ? 0 : by_size_.rbegin()->first;
+}
+
+std::optional<Placement> VariablePolicy::place(uint64_t nbytes, DeclineReason* why) {
+  uint64_t cap = round_page(nbytes);
+  if (nbytes > data_bytes_ || cap > data_bytes_) {
+    *why = DeclineReason::kOversize;
+    return std::nullopt;
+  }
+  if (free_records_.empty()) {
+    *why = DeclineReason::kNoRecord;
+    return std::nullopt;
+  }
+  auto fit = by_size_.lower_bound({cap, 0});
+  if (fit == by_size_.end()) {
+    *why = DeclineReason::kNoFreeSlot;
+    return std::nullopt;
+  }
+  uint64_t off = fit->second;
+  uint64_t len = fit->first;
+  erase_extent(by_offset_.find(off));
+  if (len > cap) insert_extent(off + cap, len - cap);
+  uint32_t rec = free_records_.back();
+  free_records_.pop_back();
+  record_free_[rec] = false;
+  return Placement{rec, off, cap};
+}
+
+void VariablePolicy::free(const Placement& p) {
+  if (p.record >= record_free_.size()) {
+    throw OutOfRange("record " + std::to_string(p.record) + " out of range [0, " +
+                     std::to_string(record_free_.size()) + ")");
+  }
+  if (record_free_[p.record]) return;  // double free: ignore rather than corrupt
+  record_free_[p.record] = true;
+  free_records_.push_back(p.record);
+  insert_extent(p.offset, p.capacity);
+}
+
+void VariablePolicy::mark_used(const Placement& p) {
+  if (p.record >= record_free_.size() || !record_free_[p.record]) return;
+  record_free_[p.record] = false;
+  free_records_.erase(std::find(free_records_.begin(), free_records_.end(), p.record));
+  // Carve [offset, offset+capacity) out of the free extent holding it.
+  auto it = by_offset_.upper_bound(p.offset);
+  if (it == by_offset_.begin()) return;
+  --it;
+  uint64_t off = it->first, len = it->second;
+  if (p.offset + p.capacity > off + len) return;  // not free: inconsistent metadata, skip
+  erase_extent(it);
+  insert_extent(off, p.offset - off);
+  insert_extent(p.offset + p.capacity, off + len - (p.offset + p.capacity));
+}
+
+}  // namespace vllm_shm_arena

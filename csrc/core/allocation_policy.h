@@ -8,8 +8,11 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
+#include <set>
+#include <utility>
 #include <vector>
 
 namespace vllm_shm_arena {
@@ -22,7 +25,8 @@ enum class DeclineReason : uint32_t {
   kNoFreeSlot = 3,     ///< nothing free right now
   kNoSpace = 4,        ///< fallocate found the shm filesystem full
   kUnsupported = 5,    ///< a type the arena can't carry (conj/neg bits, quantized...)
-  kCount = 6,
+  kNoRecord = 6,       ///< every allocation record is in use (the metadata bound)
+  kCount = 7,
 };
 
 /// A placed allocation: record index, byte offset from the start of the region, capacity.
@@ -63,6 +67,41 @@ class FixedSlotPolicy : public AllocationPolicy {
   uint64_t data_offset_;
   std::vector<uint32_t> free_stack_;  // top = most recently freed
   std::vector<bool> in_stack_;
+};
+
+}  // namespace vllm_shm_arena
+
+namespace vllm_shm_arena {
+
+/// Any size from 1 byte up to the whole data region, packed best-fit into free extents.
+///
+/// Free space is a set of extents kept two ways: by offset (to coalesce a freed extent with
+/// its neighbours, so space released in any order comes back whole) and by (size, offset)
+/// (to find the smallest extent that fits, which keeps large extents intact for large
+/// tensors). Allocations are rounded up to 4 KiB. Records are a fixed pool of `max_records`;
+/// when all are in use, place() declines with kNoRecord even if bytes are free.
+class VariablePolicy : public AllocationPolicy {
+ public:
+  VariablePolicy(uint32_t max_records, uint64_t data_offset, uint64_t data_bytes);
+  std::optional<Placement> place(uint64_t nbytes, DeclineReason* why) override;
+  void free(const Placement& p) override;
+  uint64_t max_allocation() const override { return data_bytes_; }
+  void mark_used(const Placement& p) override;
+  /// Bytes currently free, and the largest single extent (fragmentation = 1 - largest/free).
+  uint64_t free_bytes() const { return free_bytes_; }
+  uint64_t largest_free_extent() const;
+
+ private:
+  void insert_extent(uint64_t off, uint64_t len);
+  void erase_extent(std::map<uint64_t, uint64_t>::iterator it);
+
+  uint64_t data_offset_;
+  uint64_t data_bytes_;
+  uint64_t free_bytes_ = 0;
+  std::map<uint64_t, uint64_t> by_offset_;           // offset -> length
+  std::set<std::pair<uint64_t, uint64_t>> by_size_;  // (length, offset)
+  std::vector<uint32_t> free_records_;               // top = most recently freed
+  std::vector<bool> record_free_;
 };
 
 }  // namespace vllm_shm_arena

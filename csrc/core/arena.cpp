@@ -51,6 +51,21 @@ void check_config(const ArenaConfig& cfg) {
     throw InvalidArgument("n_readers must be in [1, " + std::to_string(kMaxReaders) + "], got " +
                           std::to_string(cfg.n_readers));
   }
+  if (cfg.policy == PolicyKind::kVariable) {
+    if (cfg.arena_bytes == 0 || cfg.arena_bytes > (1ull << 44)) {
+      throw InvalidArgument("arena_bytes must be in [1, 2^44], got " +
+                            std::to_string(cfg.arena_bytes));
+    }
+    if (cfg.max_records == 0 || cfg.max_records > kMaxRecords) {
+      throw InvalidArgument("max_allocations must be in [1, " + std::to_string(kMaxRecords) +
+                            "], got " + std::to_string(cfg.max_records));
+    }
+    return;
+  }
+  if (cfg.policy != PolicyKind::kFixedSlots) {
+    throw InvalidArgument("unknown allocation policy " +
+                          std::to_string(static_cast<uint32_t>(cfg.policy)));
+  }
   if (cfg.num_slots == 0 || cfg.num_slots > kMaxRecords) {
     throw InvalidArgument("num_slots must be in [1, " + std::to_string(kMaxRecords) + "], got " +
                           std::to_string(cfg.num_slots));
@@ -58,6 +73,22 @@ void check_config(const ArenaConfig& cfg) {
   if (cfg.slot_bytes == 0 || cfg.slot_bytes > (1ull << 40)) {
     throw InvalidArgument("slot_bytes must be in [1, 2^40], got " + std::to_string(cfg.slot_bytes));
   }
+}
+
+// Records and data bytes of a configuration.
+std::pair<uint32_t, uint64_t> geometry(const ArenaConfig& cfg) {
+  if (cfg.policy == PolicyKind::kVariable) {
+    return {cfg.max_records, align_up(cfg.arena_bytes, kAllocAlign)};
+  }
+  uint64_t slot = align_up(cfg.slot_bytes, kAllocAlign);
+  return {cfg.num_slots, slot * cfg.num_slots};
+}
+
+std::unique_ptr<AllocationPolicy> policy_for(const ArenaHeader* h) {
+  if (h->policy == static_cast<uint32_t>(PolicyKind::kVariable)) {
+    return std::make_unique<VariablePolicy>(h->max_records, h->data_offset, h->data_bytes);
+  }
+  return std::make_unique<FixedSlotPolicy>(h->max_records, h->slot_bytes, h->data_offset);
 }
 
 // Validates a header read from a segment someone else wrote. Every offset is checked
@@ -89,6 +120,10 @@ void validate_header(const ArenaHeader* h, uint64_t region_bytes, const std::str
     if (h->slot_bytes == 0 || h->slot_bytes * h->max_records != h->data_bytes) {
       throw bad("slot size does not match the data region");
     }
+  } else if (h->policy == static_cast<uint32_t>(PolicyKind::kVariable)) {
+    if (h->slot_bytes != 0 || h->data_bytes == 0 || h->data_bytes % kAllocAlign != 0) {
+      throw bad("variable-size data region is malformed");
+    }
   } else {
     throw bad("unknown allocation policy " + std::to_string(h->policy));
   }
@@ -98,8 +133,8 @@ void validate_header(const ArenaHeader* h, uint64_t region_bytes, const std::str
 
 uint64_t arena_region_bytes(const ArenaConfig& cfg) {
   check_config(cfg);
-  uint64_t slot = align_up(cfg.slot_bytes, kAllocAlign);
-  return layout_for(cfg.n_readers, cfg.num_slots, slot * cfg.num_slots).total;
+  auto [records, data_bytes] = geometry(cfg);
+  return layout_for(cfg.n_readers, records, data_bytes).total;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -110,40 +145,42 @@ ArenaWriter::ArenaWriter(std::shared_ptr<ShmRegion> region,
     : region_(std::move(region)), policy_(std::move(policy)) {
   uint32_t n = header()->max_records;
   placement_.resize(n);
+  live_.resize(n);
   gen_.assign(n, 0);
   published_.assign(n, false);
   published_at_.resize(n);
-  reserved_.assign(n, false);
+  loan_hold_.assign(n, false);
+  reserved_.assign((header()->data_bytes + kDataAlign - 1) / kDataAlign, false);
   last_liveness_check_.resize(header()->n_readers);
 }
 
 std::unique_ptr<ArenaWriter> ArenaWriter::create(const ArenaConfig& cfg) {
   check_config(cfg);
-  uint64_t slot = align_up(cfg.slot_bytes, kAllocAlign);
-  Offsets o = layout_for(cfg.n_readers, cfg.num_slots, slot * cfg.num_slots);
+  auto [records, data_bytes] = geometry(cfg);
+  Offsets o = layout_for(cfg.n_readers, records, data_bytes);
   auto region = ShmRegion::create(o.total, cfg.prefix, cfg.dir);
   // The tables are written before the name is handed to anyone, so plain stores suffice;
   // the atomics are constructed in place (the file is zero-filled, which is also their
   // zero value).
   auto* h = new (region->data()) ArenaHeader();
   h->layout_version = kArenaLayoutVersion;
-  h->policy = static_cast<uint32_t>(PolicyKind::kFixedSlots);
+  h->policy = static_cast<uint32_t>(cfg.policy);
   h->region_bytes = o.total;
   h->n_readers = cfg.n_readers;
-  h->max_records = cfg.num_slots;
+  h->max_records = records;
   h->readers_offset = o.readers;
   h->records_offset = o.records;
   h->releases_offset = o.releases;
   h->releases_stride = o.releases_stride;
   h->data_offset = o.data;
   h->data_bytes = o.data_bytes;
-  h->slot_bytes = slot;
+  h->slot_bytes = cfg.policy == PolicyKind::kFixedSlots ? data_bytes / records : 0;
   // SYNC POINT: relaxed; only this process runs until the name is shared.
   h->writer_identity.store(ProcessIdentity::self().packed(), std::memory_order_relaxed);
   // SYNC POINT: relaxed; read and bumped only by the (single) writer.
   h->next_generation.store(1, std::memory_order_relaxed);
   h->magic = kArenaMagic;  // last: a half-initialised header never validates
-  auto policy = std::make_unique<FixedSlotPolicy>(cfg.num_slots, slot, o.data);
+  auto policy = policy_for(h);
   return std::unique_ptr<ArenaWriter>(new ArenaWriter(std::move(region), std::move(policy)));
 }
 
@@ -164,7 +201,7 @@ std::unique_ptr<ArenaWriter> ArenaWriter::attach(const std::string& name, const 
                                                   std::memory_order_acq_rel)) {
     throw InvalidArgument("arena '" + name + "': another process claimed the writer role first");
   }
-  auto policy = std::make_unique<FixedSlotPolicy>(h->max_records, h->slot_bytes, h->data_offset);
+  auto policy = policy_for(h);
   std::unique_ptr<ArenaWriter> w(new ArenaWriter(std::move(region), std::move(policy)));
   // Rebuild the private bookkeeping: every published record stays in use until its readers
   // let go, exactly as if this process had published it.
@@ -172,7 +209,9 @@ std::unique_ptr<ArenaWriter> ArenaWriter::attach(const std::string& name, const 
     // SYNC POINT: acquire; pairs with the release store in the old writer's publish().
     uint64_t g = record_meta(h, r)->published_gen.load(std::memory_order_acquire);
     if (g == 0) continue;
-    Placement p{r, h->data_offset + uint64_t{r} * h->slot_bytes, h->slot_bytes};
+    const RecordMeta* m = record_meta(h, r);
+    if (m->offset < h->data_offset || m->capacity > h->region_bytes - m->offset) continue;
+    Placement p{r, m->offset, m->capacity};
     w->policy_->mark_used(p);
     w->placement_[r] = p;
     w->gen_[r] = g;
@@ -183,7 +222,7 @@ std::unique_ptr<ArenaWriter> ArenaWriter::attach(const std::string& name, const 
   return w;
 }
 
-ArenaWriter::~ArenaWriter() = default;
+ArenaWriter::~ArenaWriter() { region_->unlink(); }
 
 uint64_t ArenaWriter::max_allocation() const { return policy_->max_allocation(); }
 
@@ -226,7 +265,7 @@ size_t ArenaWriter::reclaim_locked(bool check_liveness) {
   size_t freed = 0;
   for (size_t i = 0; i < in_use_.size();) {
     uint32_t rec = in_use_[i];
-    bool free = published_[rec];
+    bool free = published_[rec] && !loan_hold_[rec];
     for (uint32_t r = 0; free && r < h->n_readers; ++r) {
       free = reader_lets_go(r, rec, gen_[rec], check_liveness);
     }
@@ -234,15 +273,9 @@ size_t ArenaWriter::reclaim_locked(bool check_liveness) {
       ++i;
       continue;
     }
-    // SYNC POINT: relaxed; no reader can hold `rec` any more (all released or dead), and a
-    // reader that later validates a stale stub compares against this 0 or a newer
-    // generation published with release.
-    record_meta(h, rec)->published_gen.store(0, std::memory_order_relaxed);
-    gen_[rec] = 0;
-    published_[rec] = false;
-    policy_->free(placement_[rec]);
     in_use_[i] = in_use_.back();
     in_use_.pop_back();
+    free_locked(rec);
     ++stats_.reclaimed;
     ++freed;
   }
@@ -254,8 +287,44 @@ size_t ArenaWriter::reclaim(bool check_liveness) {
   return reclaim_locked(check_liveness);
 }
 
+void ArenaWriter::free_locked(uint32_t rec) {
+  // SYNC POINT: relaxed; no reader can hold `rec` any more (all released or dead, or the
+  // stub never left this process), and a reader that later validates a stale stub compares
+  // against this 0 or a newer generation published with release.
+  record_meta(header(), rec)->published_gen.store(0, std::memory_order_relaxed);
+  gen_[rec] = 0;
+  published_[rec] = false;
+  if (loan_hold_[rec]) {
+    loan_hold_[rec] = false;
+    loans_by_offset_.erase(placement_[rec].offset);
+  }
+  policy_->free(placement_[rec]);
+}
+
+bool ArenaWriter::reserve_blocks(uint64_t offset, uint64_t len, bool* cold) {
+  // Pages are reserved in 2 MiB blocks of the data region, whatever the policy: a block is
+  // fallocated once, before the first store into any byte of it.
+  uint64_t data_off = header()->data_offset;
+  uint64_t first = (offset - data_off) / kDataAlign;
+  uint64_t last = (offset + std::max<uint64_t>(len, 1) - 1 - data_off) / kDataAlign;
+  *cold = false;
+  for (uint64_t b = first; b <= last && b < reserved_.size(); ++b) {
+    if (reserved_[b]) continue;
+    uint64_t start = data_off + b * kDataAlign;
+    uint64_t n = std::min<uint64_t>(kDataAlign, region_->size() - start);
+    if (!region_->reserve(start, n)) return false;
+    reserved_[b] = true;
+    *cold = true;
+  }
+  return true;
+}
+
 std::optional<Allocation> ArenaWriter::allocate(uint64_t nbytes) {
   std::lock_guard<std::mutex> lock(mu_);
+  return allocate_locked(nbytes);
+}
+
+std::optional<Allocation> ArenaWriter::allocate_locked(uint64_t nbytes) {
   if (nbytes > policy_->max_allocation()) {
     ++stats_.declined[static_cast<size_t>(DeclineReason::kOversize)];
     return std::nullopt;
@@ -263,21 +332,18 @@ std::optional<Allocation> ArenaWriter::allocate(uint64_t nbytes) {
   reclaim_locked(false);
   DeclineReason why = DeclineReason::kNoFreeSlot;
   std::optional<Placement> p = policy_->place(nbytes, &why);
-  if (!p && why == DeclineReason::kNoFreeSlot && reclaim_locked(true) > 0) {
+  if (!p && why != DeclineReason::kOversize && reclaim_locked(true) > 0) {
     p = policy_->place(nbytes, &why);
   }
   if (!p) {
     ++stats_.declined[static_cast<size_t>(why)];
     return std::nullopt;
   }
-  bool cold = !reserved_[p->record];
-  if (cold) {
-    if (!region_->reserve(p->offset, p->capacity)) {
-      policy_->free(*p);
-      ++stats_.declined[static_cast<size_t>(DeclineReason::kNoSpace)];
-      return std::nullopt;
-    }
-    reserved_[p->record] = true;
+  bool cold = false;
+  if (!reserve_blocks(p->offset, p->capacity, &cold)) {
+    policy_->free(*p);
+    ++stats_.declined[static_cast<size_t>(DeclineReason::kNoSpace)];
+    return std::nullopt;
   }
   ArenaHeader* h = header();
   // SYNC POINT: relaxed; only the writer touches the counter.
@@ -290,7 +356,61 @@ std::optional<Allocation> ArenaWriter::allocate(uint64_t nbytes) {
   gen_[p->record] = gen;
   published_[p->record] = false;
   in_use_.push_back(p->record);
-  return Allocation{p->record, gen, region_->data() + p->offset, nbytes, cold};
+  live_[p->record] = Allocation{p->record, gen, region_->data() + p->offset, nbytes, cold};
+  return live_[p->record];
+}
+
+std::optional<Allocation> ArenaWriter::lend(uint64_t nbytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::optional<Allocation> a = allocate_locked(nbytes);
+  if (!a) return a;
+  loan_hold_[a->record] = true;
+  loans_by_offset_[placement_[a->record].offset] = a->record;
+  ++stats_.loans;
+  return a;
+}
+
+std::optional<LoanRef> ArenaWriter::find_loan(const void* p, uint64_t n) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (loans_by_offset_.empty()) return std::nullopt;
+  const uint8_t* base = region_->data();
+  const uint8_t* q = static_cast<const uint8_t*>(p);
+  if (q < base || q >= base + region_->size()) return std::nullopt;
+  uint64_t off = static_cast<uint64_t>(q - base);
+  auto it = loans_by_offset_.upper_bound(off);
+  if (it == loans_by_offset_.begin()) return std::nullopt;
+  --it;
+  uint32_t rec = it->second;
+  const Allocation& a = live_[rec];
+  if (off - it->first > a.nbytes || n > a.nbytes - (off - it->first)) return std::nullopt;
+  return LoanRef{rec, a.generation, off - it->first, published_[rec]};
+}
+
+bool ArenaWriter::publish_loan(uint32_t record, uint64_t generation) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (record >= gen_.size() || gen_[record] != generation || !loan_hold_[record]) {
+      throw InvalidArgument("publish_loan: record " + std::to_string(record) + " generation " +
+                            std::to_string(generation) + " is not a live loan");
+    }
+    if (published_[record]) return false;
+    ++stats_.loans_sent;
+  }
+  publish(live_[record]);
+  return true;
+}
+
+void ArenaWriter::end_loan(uint32_t record, uint64_t generation) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (record >= gen_.size() || gen_[record] != generation || !loan_hold_[record]) return;
+  loan_hold_[record] = false;
+  loans_by_offset_.erase(placement_[record].offset);
+  if (!published_[record]) {
+    // Never sent: nobody else can know of it. Give the space back at once.
+    in_use_.erase(std::find(in_use_.begin(), in_use_.end(), record));
+    free_locked(record);
+    ++stats_.loans_returned;
+  }
 }
 
 void ArenaWriter::publish(const Allocation& a) {
@@ -320,9 +440,11 @@ void ArenaWriter::publish(const Allocation& a) {
   }
 }
 
-void ArenaWriter::abort(const Allocation& a) {
+void ArenaWriter::abort(const Allocation& stub) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (a.record >= gen_.size() || gen_[a.record] != a.generation) return;  // already recycled
+  if (stub.record >= gen_.size() || gen_[stub.record] != stub.generation) return;  // recycled
+  // Counters come from what allocate() handed out, not from the caller's copy.
+  const Allocation& a = live_[stub.record];
   ArenaHeader* h = header();
   if (published_[a.record]) {
     // Undo the publish counters: the allocation never reached anyone.
@@ -336,12 +458,17 @@ void ArenaWriter::abort(const Allocation& a) {
       stats_.warm_bytes -= a.nbytes;
     }
   }
-  // SYNC POINT: relaxed; the stub never left this process, so no reader can be looking.
-  record_meta(h, a.record)->published_gen.store(0, std::memory_order_relaxed);
-  gen_[a.record] = 0;
-  published_[a.record] = false;
-  policy_->free(placement_[a.record]);
+  if (loan_hold_[a.record]) {
+    // An aborted send of a loan: the writer still holds its view; unpublish, keep the loan.
+    // SYNC POINT: relaxed; the stub never left this process, so no reader can be looking.
+    record_meta(h, a.record)->published_gen.store(0, std::memory_order_relaxed);
+    published_[a.record] = false;
+    --stats_.loans_sent;
+    ++stats_.aborted;
+    return;
+  }
   in_use_.erase(std::find(in_use_.begin(), in_use_.end(), a.record));
+  free_locked(a.record);
   ++stats_.aborted;
 }
 
@@ -357,6 +484,10 @@ WriterStats ArenaWriter::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   WriterStats s = stats_;
   s.in_use = static_cast<uint32_t>(in_use_.size());
+  if (auto* v = dynamic_cast<const VariablePolicy*>(policy_.get())) {
+    s.free_bytes = v->free_bytes();
+    s.largest_free = v->largest_free_extent();
+  }
   return s;
 }
 
@@ -435,7 +566,9 @@ std::shared_ptr<ArenaReader> ArenaReader::attach(const std::string& name, uint32
 
 ArenaReader::~ArenaReader() { detach(); }
 
-uint64_t ArenaReader::max_allocation() const { return header()->slot_bytes; }
+uint64_t ArenaReader::max_allocation() const {
+  return variable() ? header()->data_bytes : header()->slot_bytes;
+}
 
 uint64_t ArenaReader::published_generation(uint32_t record) const {
   if (record >= header()->max_records) {
@@ -446,7 +579,8 @@ uint64_t ArenaReader::published_generation(uint32_t record) const {
   return record_meta(header(), record)->published_gen.load(std::memory_order_acquire);
 }
 
-const uint8_t* ArenaReader::acquire(uint32_t record, uint64_t generation, uint64_t nbytes) {
+const uint8_t* ArenaReader::acquire(uint32_t record, uint64_t generation, uint64_t nbytes,
+                                    uint64_t offset) {
   ArenaHeader* h = header();
   if (record >= h->max_records) {
     throw OutOfRange("slot " + std::to_string(record) + " out of range [0, " +
@@ -485,14 +619,15 @@ const uint8_t* ArenaReader::acquire(uint32_t record, uint64_t generation, uint64
     it = holds_.emplace(record, Hold{generation, 0}).first;
   }
   RecordMeta* m = record_meta(h, record);
-  if (nbytes != m->nbytes) {
+  if (offset > m->nbytes || nbytes > m->nbytes - offset) {
     if (it->second.count == 0) holds_.erase(it);
-    throw InvalidArgument("nbytes " + std::to_string(nbytes) + " does not match the " +
+    throw InvalidArgument("nbytes " + std::to_string(nbytes) + " at offset " +
+                          std::to_string(offset) + " does not fit the " +
                           std::to_string(m->nbytes) + " bytes written to slot " +
                           std::to_string(record));
   }
   ++it->second.count;
-  return region_->data() + m->offset;
+  return region_->data() + m->offset + offset;
 }
 
 void ArenaReader::release(uint32_t record, uint64_t generation) {

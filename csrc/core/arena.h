@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -29,9 +30,12 @@ namespace vllm_shm_arena {
 
 /// How to build a new arena.
 struct ArenaConfig {
-  uint32_t n_readers = 1;              ///< reader ranks 0..n_readers-1
-  uint32_t num_slots = 8;              ///< fixed-slot policy: number of slots
+  PolicyKind policy = PolicyKind::kFixedSlots;  ///< fixed slots, or variable-size packing
+  uint32_t n_readers = 1;                       ///< reader ranks 0..n_readers-1
+  uint32_t num_slots = 8;                       ///< fixed-slot policy: number of slots
   uint64_t slot_bytes = 256ull << 20;  ///< fixed-slot policy: bytes per slot (rounded up to 4 KiB)
+  uint64_t arena_bytes = 2ull << 30;   ///< variable policy: data region bytes (4 KiB multiple)
+  uint32_t max_records = 1024;         ///< variable policy: live allocations at most
   std::string dir = ShmRegion::default_dir();  ///< where the shm name lives
   std::string prefix = "vsa_";                 ///< name prefix, followed by 128 random bits
 };
@@ -48,10 +52,23 @@ struct WriterStats {
   uint64_t warm_copies = 0;  ///< allocations into pages written before
   uint64_t cold_bytes = 0;
   uint64_t warm_bytes = 0;
-  uint64_t reclaimed = 0;     ///< records recycled after every reader let go
-  uint64_t dead_readers = 0;  ///< readers found dead (their holdings were reclaimed)
-  uint64_t aborted = 0;       ///< allocations given back unpublished
-  uint32_t in_use = 0;        ///< records currently published or being filled
+  uint64_t reclaimed = 0;       ///< records recycled after every reader let go
+  uint64_t dead_readers = 0;    ///< readers found dead (their holdings were reclaimed)
+  uint64_t aborted = 0;         ///< allocations given back unpublished
+  uint64_t loans = 0;           ///< allocations lent to the writer to fill in place
+  uint64_t loans_sent = 0;      ///< loans published without a copy
+  uint64_t loans_returned = 0;  ///< loans dropped unsent (space given back)
+  uint32_t in_use = 0;          ///< records currently published or being filled
+  uint64_t free_bytes = 0;      ///< variable policy: bytes free now
+  uint64_t largest_free = 0;    ///< variable policy: largest free extent now
+};
+
+/// Where a pointer range falls inside a loaned allocation.
+struct LoanRef {
+  uint32_t record = 0;
+  uint64_t generation = 0;
+  uint64_t offset = 0;  ///< of the range within the allocation
+  bool published = false;
 };
 
 /// What one reader holds, as the writer sees it.
@@ -80,16 +97,31 @@ class ArenaWriter {
   /// still has a live writer.
   static std::unique_ptr<ArenaWriter> attach(const std::string& name,
                                              const std::string& dir = ShmRegion::default_dir());
+  /// Removes the shm name (if still there): the writer owns it. A writer that dies without
+  /// running this leaves the name for ArenaWriter::attach to take over.
   ~ArenaWriter();
 
   /// Claims space for `nbytes` (0 allowed), or declines (counted) with nullopt. Never blocks.
   std::optional<Allocation> allocate(uint64_t nbytes);
   /// Makes a filled allocation visible to readers.
   void publish(const Allocation& a);
-  /// Gives an unpublished — or published but never sent — allocation back at once.
+  /// Gives an unpublished — or published but never sent — allocation back at once. Only
+  /// `record` and `generation` of `a` are read; a stale pair is ignored.
   void abort(const Allocation& a);
   /// allocate + parallel copy of `src` + publish; nullopt when declined.
   std::optional<Allocation> write(const void* src, uint64_t nbytes);
+  /// Lends space for the caller to fill in place (no copy when it is sent). The allocation
+  /// is held for the writer until end_loan(), even after readers released it, so the
+  /// writer's view never aliases reused space.
+  std::optional<Allocation> lend(uint64_t nbytes);
+  /// The loan holding [p, p+n) entirely, if any.
+  std::optional<LoanRef> find_loan(const void* p, uint64_t n) const;
+  /// Publishes a loan for sending. False if it was already published (sent before): the
+  /// caller must then send a copy, since readers may have released the first send.
+  bool publish_loan(uint32_t record, uint64_t generation);
+  /// The writer's last view of a loan died: an unsent loan is freed, a sent one is left to
+  /// its readers.
+  void end_loan(uint32_t record, uint64_t generation);
   /// Counts a decline decided above the core (too small, not contiguous, unsupported type).
   void count_decline(DeclineReason why);
   /// Recycles records every reader let go of. With `check_liveness`, readers that block a
@@ -114,6 +146,9 @@ class ArenaWriter {
   ArenaWriter(std::shared_ptr<ShmRegion> region, std::unique_ptr<AllocationPolicy> policy);
   ArenaHeader* header() const { return reinterpret_cast<ArenaHeader*>(region_->data()); }
   size_t reclaim_locked(bool check_liveness);
+  std::optional<Allocation> allocate_locked(uint64_t nbytes);
+  bool reserve_blocks(uint64_t offset, uint64_t len, bool* cold);
+  void free_locked(uint32_t record);
   bool reader_lets_go(uint32_t rank, uint32_t record, uint64_t gen, bool check_liveness);
 
   std::shared_ptr<ShmRegion> region_;
@@ -121,11 +156,14 @@ class ArenaWriter {
   mutable std::mutex mu_;  // one writer process, but Python may call it from several threads
   // Writer-private bookkeeping, indexed by record.
   std::vector<Placement> placement_;
-  std::vector<uint64_t> gen_;  // generation of the live allocation, 0 = free
+  std::vector<Allocation> live_;  // the allocation handed out for each record
+  std::vector<uint64_t> gen_;     // generation of the live allocation, 0 = free
   std::vector<bool> published_;
   std::vector<std::chrono::steady_clock::time_point> published_at_;
-  std::vector<bool> reserved_;    // pages fallocated (and so, after a write, warm)
-  std::vector<uint32_t> in_use_;  // records with gen_ != 0
+  std::vector<bool> loan_hold_;  // a writer-side view of a loan is alive
+  std::vector<bool> reserved_;   // per 2 MiB block of data: fallocated (warm after a write)
+  std::map<uint64_t, uint32_t> loans_by_offset_;  // live loans: offset -> record
+  std::vector<uint32_t> in_use_;                  // records with gen_ != 0
   std::vector<std::chrono::steady_clock::time_point> last_liveness_check_;
   WriterStats stats_;
 };
@@ -140,9 +178,10 @@ class ArenaReader {
   ~ArenaReader();
 
   /// Validates a stub and pins the record for this reader: record in range, generation
-  /// published, not yet released by this reader, `nbytes` equal to what was written.
-  /// Returns the payload's address. Every acquire needs one release.
-  const uint8_t* acquire(uint32_t record, uint64_t generation, uint64_t nbytes);
+  /// published, not yet released by this reader, [offset, offset+nbytes) inside what was
+  /// written. Returns the address of that range. Every acquire needs one release.
+  const uint8_t* acquire(uint32_t record, uint64_t generation, uint64_t nbytes,
+                         uint64_t offset = 0);
   /// Drops one acquire; the last one tells the writer this reader is done with the record.
   void release(uint32_t record, uint64_t generation);
   /// Releases a record this reader was sent but never acquired (a message it failed to
@@ -156,6 +195,11 @@ class ArenaReader {
   uint32_t rank() const { return rank_; }
   uint32_t max_records() const { return header()->max_records; }
   uint64_t max_allocation() const;
+  /// Start (from the region's base) and size of the data region.
+  uint64_t data_offset() const { return header()->data_offset; }
+  uint64_t data_bytes() const { return header()->data_bytes; }
+  /// True for a variable-size arena (any allocation may span the whole data region).
+  bool variable() const { return header()->policy == static_cast<uint32_t>(PolicyKind::kVariable); }
   const std::string& name() const { return region_->name(); }
   const std::shared_ptr<ShmRegion>& region() const { return region_; }
   /// Records this reader currently holds (acquired and not yet released).

@@ -124,10 +124,10 @@ TEST_CASE("a reader that acquires twice must release twice", "[arena]") {
 }
 
 TEST_CASE("exhaustion declines without blocking and prefers warm slots", "[arena]") {
-  auto sut = ArenaWriter::create(small_config(1, 3, 8192));
+  auto sut = ArenaWriter::create(small_config(1, 3, 2 << 20));
   auto reader = ArenaReader::attach(sut->name(), 0, sut->region()->dir());
   sut->unlink();
-  std::vector<uint8_t> buf(8192, 1);
+  std::vector<uint8_t> buf(2 << 20, 1);  // whole 2 MiB blocks: cold/warm is tracked per block
   std::vector<Allocation> held;
   for (int i = 0; i < 3; ++i) held.push_back(*sut->write(buf.data(), buf.size()));
   auto t0 = std::chrono::steady_clock::now();
@@ -221,6 +221,34 @@ TEST_CASE("garbage, truncated and foreign segments are rejected", "[arena][fault
   }
 }
 
+TEST_CASE("a writer that goes away cleanly removes its name", "[arena]") {
+  std::string path;
+  {
+    auto sut = ArenaWriter::create(small_config(1, 1, 4096));
+    path = sut->region()->dir() + "/" + sut->name();
+    REQUIRE(::access(path.c_str(), F_OK) == 0);
+  }
+  CHECK(::access(path.c_str(), F_OK) != 0);
+}
+
+TEST_CASE("abort keeps the counters consistent whatever the caller passes", "[arena]") {
+  auto sut = ArenaWriter::create(small_config(1, 2, 4096));
+  sut->unlink();
+  std::vector<uint8_t> buf(100, 1);
+  auto a = sut->write(buf.data(), buf.size());
+  REQUIRE(a);
+  Allocation stub;  // only record and generation, as a caller across a language boundary has
+  stub.record = a->record;
+  stub.generation = a->generation;
+  sut->abort(stub);
+  WriterStats s = sut->stats();
+  CHECK(s.hits == 0);
+  CHECK(s.bytes == 0);
+  CHECK(s.cold_copies == 0);
+  CHECK(s.warm_copies == 0);
+  CHECK(s.aborted == 1);
+}
+
 TEST_CASE("a second writer is refused while the first lives", "[arena][faults]") {
   auto sut = ArenaWriter::create(small_config(1, 2, 4096));
   try {
@@ -250,6 +278,7 @@ TEST_CASE("a new writer takes over from a dead one and keeps published records",
             ::write(pipefd[1], msg, sizeof(msg)) == sizeof(msg))
                ? 0
                : 1;
+      ::_exit(rc);  // die like a crashed writer: no destructor, the name stays
     } catch (...) {
     }
     ::_exit(rc);
@@ -561,4 +590,206 @@ TEST_CASE("threads-in-one-process protocol variant (for ThreadSanitizer)", "[are
   for (auto& t : threads) t.join();
   CHECK(bad.load() == 0);
   CHECK(sut->stats().hits == static_cast<uint64_t>(n_writes));
+}
+
+namespace {
+
+ArenaConfig variable_config(uint32_t n_readers, uint64_t bytes, uint32_t max_records = 64) {
+  ArenaConfig cfg;
+  cfg.policy = PolicyKind::kVariable;
+  cfg.n_readers = n_readers;
+  cfg.arena_bytes = bytes;
+  cfg.max_records = max_records;
+  return cfg;
+}
+
+}  // namespace
+
+TEST_CASE("variable arena: mixed sizes round-trip, whole region usable", "[arena][variable]") {
+  const uint64_t bytes = 64 << 20;
+  auto sut = ArenaWriter::create(variable_config(2, bytes));
+  auto r0 = ArenaReader::attach(sut->name(), 0);
+  auto r1 = ArenaReader::attach(sut->name(), 1);
+  sut->unlink();
+  CHECK(r0->variable());
+  CHECK(r0->max_allocation() == bytes);
+  std::vector<uint8_t> big(bytes);
+  vsa_test::fill_pattern(big.data(), big.size(), 3);
+  auto whole = sut->write(big.data(), big.size());  // one tensor as large as the region
+  REQUIRE(whole);
+  CHECK(std::memcmp(r1->acquire(whole->record, whole->generation, bytes), big.data(), bytes) == 0);
+  r1->release(whole->record, whole->generation);
+  CHECK_FALSE(sut->write(big.data(), 4096));  // r0 still holds it
+  r0->release_unacquired(whole->record, whole->generation);
+  // 25 x 2 MB + odd sizes pack into the same region once it is free.
+  std::vector<Allocation> got;
+  for (int i = 0; i < 25; ++i) {
+    auto a = sut->write(big.data(), 2'000'000 + i);
+    REQUIRE(a);
+    got.push_back(*a);
+  }
+  for (auto& a : got) {
+    CHECK(checksum(r0->acquire(a.record, a.generation, a.nbytes), a.nbytes) ==
+          checksum(big.data(), a.nbytes));
+  }
+  WriterStats s = sut->stats();
+  CHECK(s.hits == 26);
+  CHECK(s.declined[static_cast<size_t>(DeclineReason::kNoFreeSlot)] == 1);
+}
+
+TEST_CASE("variable arena: record bound is a counted decline", "[arena][variable]") {
+  auto sut = ArenaWriter::create(variable_config(1, 1 << 20, 2));
+  auto r = ArenaReader::attach(sut->name(), 0);
+  sut->unlink();
+  uint8_t v = 1;
+  REQUIRE(sut->write(&v, 1));
+  REQUIRE(sut->write(&v, 1));
+  CHECK_FALSE(sut->write(&v, 1));
+  CHECK(sut->stats().declined[static_cast<size_t>(DeclineReason::kNoRecord)] == 1);
+}
+
+TEST_CASE("variable arena: randomized multi-process stress, random release order",
+          "[arena][variable][stress]") {
+  const uint32_t seed = vsa_test::seed("variable stress");
+  const uint32_t n_readers = 3;
+  // Readers hold up to 7 records each (21 distinct at worst, of up to 2 MiB): the region
+  // must fit that, or the writer waits for releases that wait for the writer.
+  const uint64_t bytes = 48 << 20;
+  auto sut = ArenaWriter::create(variable_config(n_readers, bytes, 128));
+  struct Stub {
+    uint64_t record, generation, nbytes, sum;
+  };
+  std::vector<pid_t> pids;
+  std::vector<int> wfds;
+  for (uint32_t r = 0; r < n_readers; ++r) {
+    int fds[2];
+    REQUIRE(::pipe(fds) == 0);
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      ::close(fds[1]);
+      int bad = 0;
+      try {
+        auto reader = ArenaReader::attach(sut->name(), r);
+        std::mt19937 rng(seed + r);
+        std::vector<Stub> held;
+        Stub s;
+        while (::read(fds[0], &s, sizeof(s)) == sizeof(s) && s.generation != 0) {
+          const uint8_t* p =
+              reader->acquire(static_cast<uint32_t>(s.record), s.generation, s.nbytes);
+          if (checksum(p, s.nbytes) != s.sum) ++bad;
+          held.push_back(s);
+          while (held.size() > rng() % 8) {
+            size_t i = rng() % held.size();
+            const uint8_t* q = reader->acquire(static_cast<uint32_t>(held[i].record),
+                                               held[i].generation, held[i].nbytes);
+            if (checksum(q, held[i].nbytes) != held[i].sum) ++bad;
+            reader->release(static_cast<uint32_t>(held[i].record), held[i].generation);
+            reader->release(static_cast<uint32_t>(held[i].record), held[i].generation);
+            held.erase(held.begin() + static_cast<long>(i));
+          }
+        }
+        for (auto& h : held) reader->release(static_cast<uint32_t>(h.record), h.generation);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "reader %u: %s\n", r, e.what());
+        ::_exit(3);
+      }
+      ::_exit(bad == 0 ? 0 : 4);
+    }
+    ::close(fds[0]);
+    pids.push_back(pid);
+    wfds.push_back(fds[1]);
+  }
+  std::mt19937 rng(seed);
+  std::vector<uint8_t> buf(2 << 20);
+  for (int i = 0; i < 10000; ++i) {
+    uint64_t n = (rng() % 20 == 0) ? rng() % buf.size() : rng() % 65536;
+    vsa_test::fill_pattern(buf.data(), n, static_cast<uint64_t>(i) + seed);
+    std::optional<Allocation> a;
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!(a = sut->write(buf.data(), n))) {
+      REQUIRE(std::chrono::steady_clock::now() < deadline);
+      std::this_thread::yield();
+    }
+    Stub s{a->record, a->generation, n, checksum(buf.data(), n)};
+    for (int fd : wfds) REQUIRE(::write(fd, &s, sizeof(s)) == sizeof(s));
+  }
+  Stub done{0, 0, 0, 0};
+  for (int fd : wfds) {
+    REQUIRE(::write(fd, &done, sizeof(done)) == sizeof(done));
+    ::close(fd);
+  }
+  for (pid_t pid : pids) CHECK(vsa_test::exited_ok(vsa_test::wait_child(pid, 60)));
+  sut->reclaim(false);
+  WriterStats s = sut->stats();
+  CHECK(s.in_use == 0);
+  CHECK(s.free_bytes == bytes);  // nothing lost to fragmentation once all is released
+  CHECK(s.largest_free == bytes);
+  sut->unlink();
+}
+
+TEST_CASE("variable arena: a dead reader's allocations come back", "[arena][variable][faults]") {
+  auto sut = ArenaWriter::create(variable_config(1, 1 << 20));
+  std::vector<uint8_t> buf(1 << 20, 7);
+  auto a = sut->write(buf.data(), buf.size());
+  REQUIRE(a);
+  int fds[2];
+  REQUIRE(::pipe(fds) == 0);
+  pid_t pid = fork_holding_reader(sut->name(), 0, *a, fds[1]);
+  char c;
+  REQUIRE(::read(fds[0], &c, 1) == 1);
+  CHECK_FALSE(sut->write(buf.data(), 4096));
+  ::kill(pid, SIGKILL);
+  vsa_test::wait_child(pid);
+  std::optional<Allocation> b;
+  for (int i = 0; i < 100 && !b; ++i) {
+    b = sut->write(buf.data(), buf.size());
+    if (!b) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  CHECK(b.has_value());
+  ::close(fds[0]);
+  ::close(fds[1]);
+  sut->unlink();
+}
+
+TEST_CASE("loans: fill in place, send without a copy, lifetime rules", "[arena][loan]") {
+  auto sut = ArenaWriter::create(variable_config(1, 4 << 20));
+  auto r = ArenaReader::attach(sut->name(), 0);
+  sut->unlink();
+  SECTION("dropped unsent gives the space back") {
+    auto a = sut->lend(3 << 20);
+    REQUIRE(a);
+    CHECK_FALSE(sut->lend(2 << 20));  // 3 of 4 MiB lent
+    sut->end_loan(a->record, a->generation);
+    CHECK(sut->lend(4 << 20).has_value());
+    CHECK(sut->stats().loans_returned == 1);
+  }
+  SECTION("sent once: readers see the bytes; the writer's view keeps the space") {
+    auto a = sut->lend(1 << 20);
+    REQUIRE(a);
+    std::memset(a->data, 0x42, 1 << 20);
+    auto ref = sut->find_loan(a->data + 4096, 8192);  // a contiguous view inside it
+    REQUIRE(ref);
+    CHECK(ref->offset == 4096);
+    CHECK_FALSE(ref->published);
+    REQUIRE(sut->publish_loan(ref->record, ref->generation));
+    const uint8_t* p = r->acquire(ref->record, ref->generation, 8192, 4096);
+    CHECK(p - r->region()->data() == a->data - sut->region()->data() + 4096);
+    CHECK(p[0] == 0x42);
+    r->release(ref->record, ref->generation);
+    sut->reclaim(false);
+    CHECK(sut->stats().in_use == 1);  // readers let go, but the writer's view is alive
+    // A second send of the same loan is refused (the caller copies instead).
+    CHECK_FALSE(sut->publish_loan(ref->record, ref->generation));
+    sut->end_loan(ref->record, ref->generation);
+    sut->reclaim(false);
+    CHECK(sut->stats().in_use == 0);
+    CHECK(sut->stats().loans_sent == 1);
+  }
+  SECTION("ranges outside any loan are not loans") {
+    auto a = sut->lend(8192);
+    REQUIRE(a);
+    CHECK_FALSE(sut->find_loan(a->data + 4096, 8192));  // runs past the end
+    uint8_t local[16];
+    CHECK_FALSE(sut->find_loan(local, 16));
+  }
 }
