@@ -32,8 +32,8 @@ namespace vllm_shm_arena {
 
 namespace {
 
-const char* kDeclineNames[] = {"too_small",    "not_contiguous", "oversize",
-                               "no_free_slot", "no_space",       "unsupported"};
+const char* kDeclineNames[] = {"too_small", "not_contiguous", "oversize", "no_free_slot",
+                               "no_space",  "unsupported",    "no_record"};
 static_assert(sizeof(kDeclineNames) / sizeof(kDeclineNames[0]) ==
                   static_cast<size_t>(DeclineReason::kCount),
               "every decline reason needs a stats() key");
@@ -75,16 +75,49 @@ uint64_t checked_nbytes(at::ScalarType dtype, const std::vector<int64_t>& shape)
 // Writer side
 
 /// The arena's writer, as Python sees it: tensors in, (slot, generation) out.
-class TensorArenaWriter {
+class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter> {
  public:
+  /// `arena_bytes` > 0 selects variable-size packing of that many bytes (`max_allocations`
+  /// live allocations at most); otherwise `num_slots` fixed slots of `slot_bytes`.
   TensorArenaWriter(uint32_t n_readers, uint32_t num_slots, uint64_t slot_bytes,
-                    const std::string& dir) {
+                    const std::string& dir, uint64_t arena_bytes, uint32_t max_allocations) {
     ArenaConfig cfg;
     cfg.n_readers = n_readers;
     cfg.num_slots = num_slots;
     cfg.slot_bytes = slot_bytes;
+    if (arena_bytes > 0) {
+      cfg.policy = PolicyKind::kVariable;
+      cfg.arena_bytes = arena_bytes;
+      cfg.max_records = max_allocations;
+    }
     if (!dir.empty()) cfg.dir = dir;
     writer_ = ArenaWriter::create(cfg);
+  }
+
+  /// A tensor living in the arena, for the caller to fill in place; sending it costs no
+  /// copy. None when the arena cannot lend that much now.
+  std::optional<at::Tensor> empty(const std::vector<int64_t>& shape, at::ScalarType dtype) {
+    uint64_t nbytes = checked_nbytes(dtype, shape);
+    std::optional<Allocation> a = writer_->lend(nbytes);
+    if (!a) return std::nullopt;
+    auto self = shared_from_this();
+    uint32_t rec = a->record;
+    uint64_t gen = a->generation;
+    auto deleter = [self, rec, gen](void*) { self->writer_->end_loan(rec, gen); };
+    try {
+      return at::from_blob(a->data, shape, deleter, at::TensorOptions().dtype(dtype));
+    } catch (...) {
+      writer_->end_loan(rec, gen);
+      throw;
+    }
+  }
+
+  /// If [t's bytes] lie in a loan not sent yet, publishes it -> (slot, generation, offset).
+  std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> send_loan(const at::Tensor& t) {
+    std::optional<LoanRef> ref = writer_->find_loan(t.data_ptr(), tensor_nbytes(t));
+    if (!ref || ref->published) return std::nullopt;
+    if (!writer_->publish_loan(ref->record, ref->generation)) return std::nullopt;
+    return std::make_tuple(ref->record, ref->generation, ref->offset);
   }
 
   /// Copies a suitable tensor into a free slot (GIL released during the copy).
@@ -128,7 +161,12 @@ class TensorArenaWriter {
     d["reclaimed"] = s.reclaimed;
     d["dead_readers"] = s.dead_readers;
     d["aborted"] = s.aborted;
+    d["loans"] = s.loans;
+    d["loans_sent"] = s.loans_sent;
+    d["loans_returned"] = s.loans_returned;
     d["in_use"] = s.in_use;
+    d["free_bytes"] = s.free_bytes;
+    d["largest_free"] = s.largest_free;
     d["num_slots"] = writer_->max_records();
     d["slot_bytes"] = writer_->max_allocation();
     return d;
@@ -179,7 +217,7 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
 
   /// A tensor whose storage is the slot; zero bytes copied.
   at::Tensor get_tensor(uint32_t slot, uint64_t generation, uint64_t nbytes, at::ScalarType dtype,
-                        const std::vector<int64_t>& shape, bool cuda_context) {
+                        const std::vector<int64_t>& shape, bool cuda_context, uint64_t offset) {
     uint64_t expect = checked_nbytes(dtype, shape);
     if (expect != nbytes) {
       throw InvalidArgument("nbytes " + std::to_string(nbytes) + " does not match shape " +
@@ -196,8 +234,12 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
       throw InvalidArgument("nbytes " + std::to_string(nbytes) + " is larger than a slot (" +
                             std::to_string(reader_->max_allocation()) + " bytes)");
     }
+    if (offset > reader_->max_allocation()) {
+      throw InvalidArgument("offset " + std::to_string(offset) + " is beyond a slot (" +
+                            std::to_string(reader_->max_allocation()) + " bytes)");
+    }
     if (generation == 0) generation = reader_->published_generation(slot);
-    const uint8_t* p = reader_->acquire(slot, generation, nbytes);
+    const uint8_t* p = reader_->acquire(slot, generation, nbytes, offset);
     bool gated = false;
     if (cuda_context && nbytes > 0) gated = pin(p, nbytes);
     auto self = shared_from_this();
@@ -271,16 +313,17 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
         return false;
       }
       const auto& region = reader_->region();
-      // Pin only the data region (slots start 2 MiB aligned and run to the end).
-      uint64_t slot = reader_->max_allocation();
-      uint64_t data_bytes = slot * reader_->max_records();
-      uint64_t data_off = region->size() - data_bytes;
+      // Pin only the data region (2 MiB aligned, running to the end of the region).
+      uint64_t data_off = reader_->data_offset();
+      uint64_t data_bytes = reader_->data_bytes();
       // One cudaMemcpyAsync cannot cross the boundary between two registrations (the
       // driver answers cudaErrorInvalidValue; benchmarks/results/gpu_probe_h200.txt), so a
       // chunk must hold whole allocations: by default the whole data region is one chunk
-      // (about 40 ms per GiB to register, once), else a multiple of the slot size.
+      // (about 40 ms per GiB to register, once); fixed slots may use a multiple of the slot
+      // size; variable-size allocations can be anywhere, so they always use one chunk.
       uint64_t chunk = data_bytes;
-      if (pin_chunk_bytes_ > 0 && pin_chunk_bytes_ < data_bytes) {
+      uint64_t slot = reader_->max_allocation();
+      if (!reader_->variable() && pin_chunk_bytes_ > 0 && pin_chunk_bytes_ < data_bytes) {
         chunk = (pin_chunk_bytes_ + slot - 1) / slot * slot;
       }
       pins_ = std::make_unique<PinRegistry>(rt, region->data() + data_off, data_bytes, chunk);
@@ -329,6 +372,9 @@ class MessageRingWriter {
     writer_ = std::make_unique<RingWriter>(region_->data(), region_->size());
     reserved_.assign(max_chunks, 0);
   }
+
+  /// The writer owns the ring's name; remove it if nobody did yet.
+  ~MessageRingWriter() { region_->unlink(); }
 
   /// Bytes of a message with these frame sizes once packed into a chunk.
   static uint64_t packed_bytes(const std::vector<uint64_t>& sizes) {
@@ -541,30 +587,40 @@ PyObject* reducer_call(PyObject* capsule, PyObject* obj) {
       Py_RETURN_NOTIMPLEMENTED;  // not host bytes: the out-of-band path decides
     }
     uint64_t nbytes = tensor_nbytes(t);
-    if (nbytes < st->min_bytes) {
-      st->writer->count_decline(DeclineReason::kTooSmall);
-      Py_RETURN_NOTIMPLEMENTED;
-    }
-    if (t.requires_grad()) {
-      st->writer->count_decline(DeclineReason::kUnsupported);
-      Py_RETURN_NOTIMPLEMENTED;
-    }
-    if (auto why = arena_unsuitable(t)) {
-      st->writer->count_decline(*why);
-      Py_RETURN_NOTIMPLEMENTED;
-    }
     const py::object& dtype_name = st->dtype_names[static_cast<size_t>(t.scalar_type())];
-    if (!dtype_name) {
-      st->writer->count_decline(DeclineReason::kUnsupported);
-      Py_RETURN_NOTIMPLEMENTED;
+    // A loaned tensor (or a contiguous view of one) not sent yet goes as it is, whatever its
+    // size: it is in the arena already, so sending it costs no copy.
+    uint32_t slot;
+    uint64_t gen, offset = 0;
+    std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> loan;
+    if (dtype_name && t.is_contiguous()) loan = st->writer->send_loan(t);
+    if (loan) {
+      std::tie(slot, gen, offset) = *loan;
+    } else {
+      if (nbytes < st->min_bytes) {
+        st->writer->count_decline(DeclineReason::kTooSmall);
+        Py_RETURN_NOTIMPLEMENTED;
+      }
+      if (t.requires_grad()) {
+        st->writer->count_decline(DeclineReason::kUnsupported);
+        Py_RETURN_NOTIMPLEMENTED;
+      }
+      if (auto why = arena_unsuitable(t)) {
+        st->writer->count_decline(*why);
+        Py_RETURN_NOTIMPLEMENTED;
+      }
+      if (!dtype_name) {
+        st->writer->count_decline(DeclineReason::kUnsupported);
+        Py_RETURN_NOTIMPLEMENTED;
+      }
+      std::optional<std::tuple<uint32_t, uint64_t>> res;
+      {
+        py::gil_scoped_release nogil;
+        res = st->writer->write_checked(t);
+      }
+      if (!res) Py_RETURN_NOTIMPLEMENTED;
+      std::tie(slot, gen) = *res;
     }
-    std::optional<std::tuple<uint32_t, uint64_t>> res;
-    {
-      py::gil_scoped_release nogil;
-      res = st->writer->write_checked(t);
-    }
-    if (!res) Py_RETURN_NOTIMPLEMENTED;
-    auto [slot, gen] = *res;
     py::tuple key = py::make_tuple(slot, gen);
     if (PyList_Append(st->diverted.ptr(), key.ptr()) != 0) {
       st->writer->abort(slot, gen);
@@ -572,7 +628,12 @@ PyObject* reducer_call(PyObject* capsule, PyObject* obj) {
     }
     py::tuple shape(t.dim());
     for (int64_t i = 0; i < t.dim(); ++i) shape[i] = py::int_(t.size(i));
-    py::tuple args = py::make_tuple(st->arena_name, slot, gen, nbytes, dtype_name, shape);
+    py::tuple args;
+    if (offset == 0) {
+      args = py::make_tuple(st->arena_name, slot, gen, nbytes, dtype_name, shape);
+    } else {
+      args = py::make_tuple(st->arena_name, slot, gen, nbytes, dtype_name, shape, offset);
+    }
     return py::make_tuple(py::reinterpret_borrow<py::object>(rebuild), args).release().ptr();
   } catch (py::error_already_set& e) {
     e.restore();
@@ -633,8 +694,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<TensorArenaWriter, std::shared_ptr<TensorArenaWriter>>(m, "ArenaWriter")
       // Creates the region (checking free space in `dir`, "" = default /dev/shm).
-      .def(py::init<uint32_t, uint32_t, uint64_t, const std::string&>(), py::arg("n_readers"),
-           py::arg("num_slots"), py::arg("slot_bytes"), py::arg("dir") = "")
+      .def(py::init<uint32_t, uint32_t, uint64_t, const std::string&, uint64_t, uint32_t>(),
+           py::arg("n_readers"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("dir") = "",
+           py::arg("arena_bytes") = 0, py::arg("max_allocations") = 1024)
+      // A tensor lent from the arena (filled in place, sent without a copy), or None.
+      .def("empty", &TensorArenaWriter::empty, py::arg("shape"), py::arg("dtype"))
+      // Publishes an unsent loan holding this tensor -> (slot, generation, offset), or None.
+      .def("send_loan", &TensorArenaWriter::send_loan, py::arg("tensor"))
       // Copies a tensor into a free slot -> (slot, generation), or None when declined.
       .def("write_tensor", &TensorArenaWriter::write_tensor, py::arg("tensor"),
            py::call_guard<py::gil_scoped_release>())
@@ -668,7 +734,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("rank"), py::arg("dir") = "", py::arg("pin_chunk_bytes") = 0)
       // Zero-copy tensor over a slot; generation 0 = whatever the slot holds now.
       .def("get_tensor", &TensorArenaReader::get_tensor, py::arg("slot"), py::arg("generation"),
-           py::arg("nbytes"), py::arg("dtype"), py::arg("shape"), py::arg("cuda_context"))
+           py::arg("nbytes"), py::arg("dtype"), py::arg("shape"), py::arg("cuda_context"),
+           py::arg("offset") = 0)
       // Releases freed slots whose DMA completed; `stream` is a cudaStream_t as an int.
       .def("flush_releases", &TensorArenaReader::flush_releases, py::arg("stream") = 0,
            py::call_guard<py::gil_scoped_release>())
@@ -736,13 +803,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("check_shm_free_space", &ShmRegion::check_free_space);
   m.def("default_shm_dir", &ShmRegion::default_dir);
   // Bytes a whole arena region needs (header, tables and slots).
-  m.def("arena_region_bytes", [](uint32_t n_readers, uint32_t num_slots, uint64_t slot_bytes) {
-    ArenaConfig cfg;
-    cfg.n_readers = n_readers;
-    cfg.num_slots = num_slots;
-    cfg.slot_bytes = slot_bytes;
-    return arena_region_bytes(cfg);
-  });
+  m.def(
+      "arena_region_bytes",
+      [](uint32_t n_readers, uint32_t num_slots, uint64_t slot_bytes, uint64_t arena_bytes,
+         uint32_t max_allocations) {
+        ArenaConfig cfg;
+        cfg.n_readers = n_readers;
+        cfg.num_slots = num_slots;
+        cfg.slot_bytes = slot_bytes;
+        if (arena_bytes > 0) {
+          cfg.policy = PolicyKind::kVariable;
+          cfg.arena_bytes = arena_bytes;
+          cfg.max_records = max_allocations;
+        }
+        return arena_region_bytes(cfg);
+      },
+      py::arg("n_readers"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("arena_bytes") = 0,
+      py::arg("max_allocations") = 1024);
   // Whether the process has a CUDA runtime loaded that the shim can use (never loads one).
   m.def("cuda_runtime_found", [] { return CudaRuntime::find() != nullptr; });
 }

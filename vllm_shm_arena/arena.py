@@ -7,7 +7,6 @@ them, and a reader with the same arena attached turns them back into tensors.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import threading
 import weakref
@@ -17,9 +16,12 @@ import torch
 
 from vllm_shm_arena._ext import _C
 
-#: Default geometry (the design document's internal constants).
+#: Default geometry of the fixed-slot layout (the design document's internal constants).
 DEFAULT_NUM_SLOTS = 8
 DEFAULT_SLOT_BYTES = 256 << 20
+#: Default geometry of the variable-size layout: one region any tensor up to its size fits.
+DEFAULT_ARENA_BYTES = 2 << 30
+DEFAULT_MAX_ALLOCATIONS = 1024
 #: Tensors smaller than this take the out-of-band path (a slot copy doesn't pay below it).
 MIN_BYTES = 8 << 20
 
@@ -56,6 +58,7 @@ class ArenaHandle:
     num_slots: int
     slot_bytes: int
     dir: str
+    policy: str = "fixed"
 
 
 #: This process's attached reader arenas by shm name. Weak values: an entry disappears when
@@ -102,13 +105,38 @@ class ShmTensorArena:
         num_slots: int = DEFAULT_NUM_SLOTS,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
         *,
+        policy: str = "fixed",
+        arena_bytes: int = DEFAULT_ARENA_BYTES,
+        max_allocations: int = DEFAULT_MAX_ALLOCATIONS,
         shm_dir: str | None = None,
     ) -> ShmTensorArena:
-        """Creates a new arena as its writer. Raises ``OSError`` if ``/dev/shm`` is too small."""
+        """Creates a new arena as its writer. Raises ``OSError`` if ``/dev/shm`` is too small.
+
+        ``policy="fixed"``: ``num_slots`` slots of ``slot_bytes`` (the design document's
+        layout). ``policy="variable"``: one region of ``arena_bytes`` into which tensors of any
+        size up to the whole region are packed, at most ``max_allocations`` at a time.
+        """
         if n_readers < 1:
             raise ValueError(f"n_readers must be >= 1, got {n_readers}")
-        w = _C.ArenaWriter(n_readers, num_slots, slot_bytes, shm_dir or "")
-        handle = ArenaHandle(w.name, n_readers, num_slots, w.slot_bytes, w.dir)
+        if policy not in ("fixed", "variable"):
+            raise ValueError(f"policy must be 'fixed' or 'variable', got {policy!r}")
+        variable = policy == "variable"
+        w = _C.ArenaWriter(
+            n_readers,
+            num_slots,
+            slot_bytes,
+            shm_dir or "",
+            arena_bytes if variable else 0,
+            max_allocations,
+        )
+        handle = ArenaHandle(
+            w.name,
+            n_readers,
+            max_allocations if variable else num_slots,
+            w.slot_bytes,
+            w.dir,
+            policy,
+        )
         return cls(writer=w, handle=handle)
 
     @classmethod
@@ -201,6 +229,22 @@ class ShmTensorArena:
             if len(self._reducer_cache) < 4:
                 self._reducer_cache.append(pair)
 
+    def empty(self, shape: Sequence[int], dtype: torch.dtype = torch.float32):
+        """Writer: a tensor that already lives in the arena (a loan), or ``None`` if the arena
+        cannot lend that much now.
+
+        Fill it in place and send it: the pickler sends its stub without copying (a
+        contiguous view of it works too). Rules: the first send costs no copy; a later send
+        of the same tensor is copied like any other tensor (readers may already have let go
+        of the first); writing into it after sending changes what readers that still hold it
+        see; dropping it unsent gives its space back at once; after sending, its space comes
+        back once every reader and this tensor are gone.
+        """
+        w = self._require_writer()
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        return w.empty([int(d) for d in shape], dtype)
+
     def _abort(self, diverted: Sequence[tuple[int, int]]) -> None:
         """Gives back slots whose stubs never left this process (a failed dumps)."""
         w = self._require_writer()
@@ -220,6 +264,7 @@ class ShmTensorArena:
         dtype: torch.dtype,
         shape: Sequence[int],
         generation: int | None = None,
+        offset: int = 0,
     ) -> torch.Tensor:
         """A tensor whose storage *is* the slot (zero bytes copied).
 
@@ -239,6 +284,7 @@ class ShmTensorArena:
             dtype,
             shape,
             _PIN_ENABLED and _cuda_context(),
+            int(offset),
         )
 
     def flush_releases(self, stream=None) -> int:
@@ -261,8 +307,10 @@ class ShmTensorArena:
     # ----------------------------------------------------------------- both
     def stats(self) -> dict:
         """Counters. Writer: hits, bytes, declined{too_small, not_contiguous, oversize,
-        no_free_slot, no_space, unsupported}, cold/warm copies, reclaimed, dead_readers,
-        aborted, in_use, holdings. Reader: held, pinned_bytes, pending_releases."""
+        no_free_slot, no_space, unsupported, no_record}, cold/warm copies and bytes,
+        reclaimed, dead_readers, aborted, loans/loans_sent/loans_returned, in_use,
+        free_bytes/largest_free (variable layout), holdings (per reader: state, slots held,
+        age of the oldest). Reader: held, pinned_bytes, pending_releases, pin statistics."""
         if self._writer is not None:
             s = self._writer.stats()
             s["holdings"] = self._writer.holdings()
@@ -302,8 +350,9 @@ def _lookup(arena_name: str) -> ShmTensorArena:
     arena = _TENSOR_ARENAS.get(arena_name) if isinstance(arena_name, str) else None
     if arena is None:
         raise RuntimeError(
-            f"arena stub names tensor arena {arena_name!r}, which this process has not "
-            "attached (attach it with ShmTensorArena.attach(handle, rank) before unpickling)"
+            f"arena stub names tensor arena {arena_name!r}, which is not attached in this "
+            "process (never attached, or closed/garbage-collected since); attach it with "
+            "ShmTensorArena.attach(handle, rank) and keep a reference while unpickling"
         )
     return arena
 
@@ -312,26 +361,35 @@ def _check_stub(slot_idx, generation, nbytes, shape) -> None:
     for what, v in (("slot_idx", slot_idx), ("generation", generation), ("nbytes", nbytes)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"malformed arena stub: {what}={v!r}")
+    if slot_idx >= 1 << 32:
+        raise IndexError(f"malformed arena stub: slot_idx {slot_idx} out of range")
+    if generation == 0 or generation >= 1 << 63:
+        # Generations start at 1: a stub never carries 0, and 0 must not mean "whatever the
+        # slot holds now", which would skip the stale-stub check.
+        raise ValueError(f"malformed arena stub: generation={generation}")
+    if nbytes >= 1 << 62:
+        raise ValueError(f"malformed arena stub: nbytes={nbytes} is too large")
     if not isinstance(shape, (tuple, list)) or not all(
         isinstance(d, int) and not isinstance(d, bool) for d in shape
     ):
         raise ValueError(f"malformed arena stub: shape={shape!r}")
     if any(d < 0 for d in shape):
         raise ValueError(f"malformed arena stub: negative dimension in shape {tuple(shape)}")
-    if math.prod(shape) < 0:  # pragma: no cover - guarded above
-        raise ValueError(f"malformed arena stub: shape={shape!r}")
 
 
-def _rebuild_arena_tensor(arena_name, slot_idx, generation, nbytes, dtype_str, shape):
-    """Unpickles an arena stub into a zero-copy tensor over the slot."""
+def _rebuild_arena_tensor(arena_name, slot_idx, generation, nbytes, dtype_str, shape, offset=0):
+    """Unpickles an arena stub into a zero-copy tensor over the slot (``offset`` bytes into
+    it, for a view of a loaned tensor)."""
     _check_stub(slot_idx, generation, nbytes, shape)
+    if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < 1 << 62:
+        raise ValueError(f"malformed arena stub: offset={offset!r}")
     arena = _lookup(arena_name)
-    return arena.get_tensor(slot_idx, nbytes, dtype_from_name(dtype_str), shape, generation)
+    return arena.get_tensor(slot_idx, nbytes, dtype_from_name(dtype_str), shape, generation, offset)
 
 
-def _rebuild_arena_parameter(arena_name, slot_idx, generation, nbytes, dtype_str, shape):
+def _rebuild_arena_parameter(arena_name, slot_idx, generation, nbytes, dtype_str, shape, offset=0):
     """Like _rebuild_arena_tensor, wrapped in a Parameter sharing its storage."""
-    t = _rebuild_arena_tensor(arena_name, slot_idx, generation, nbytes, dtype_str, shape)
+    t = _rebuild_arena_tensor(arena_name, slot_idx, generation, nbytes, dtype_str, shape, offset)
     return torch.nn.Parameter(t, requires_grad=False)
 
 

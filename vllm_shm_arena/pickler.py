@@ -50,15 +50,7 @@ def _reduce_tensor(t: torch.Tensor):
     Anything the raw bytes can't express (autograd state, conj/neg bits, sparse, quantized,
     non-CPU, a dtype without a stub name) goes through torch's own reduction instead.
     """
-    if (
-        t.device.type != "cpu"
-        or t.layout is not torch.strided
-        or t.requires_grad
-        or t.is_conj()
-        or t.is_neg()
-        or t.is_quantized
-        or t.dtype not in _NAME_BY_DTYPE
-    ):
+    if not _oob_expressible(t):
         return t.__reduce_ex__(PROTOCOL)
     if not t.is_contiguous():
         t = t.contiguous()
@@ -67,9 +59,38 @@ def _reduce_tensor(t: torch.Tensor):
     return _rebuild_tensor, (pickle.PickleBuffer(raw), _NAME_BY_DTYPE[t.dtype], tuple(t.shape))
 
 
+def _rebuild_parameter(buffer, dtype_str: str, shape: tuple, requires_grad: bool):
+    """Rebuilds a Parameter sent out of band by _reduce_parameter."""
+    return torch.nn.Parameter(_rebuild_tensor(buffer, dtype_str, shape), requires_grad)
+
+
+def _reduce_parameter(p: torch.nn.Parameter):
+    """A Parameter out of band, keeping ``requires_grad``. Without this, pickle would reduce
+    ``p.data`` as a plain tensor, which the arena diverts: a trainable Parameter would come
+    back living in shared memory that other readers see."""
+    data = p.detach()
+    if type(p) is not torch.nn.Parameter or not _oob_expressible(data):
+        return p.__reduce_ex__(PROTOCOL)
+    _, (buf, dtype_str, shape) = _reduce_tensor(data)
+    return _rebuild_parameter, (buf, dtype_str, shape, p.requires_grad)
+
+
+def _oob_expressible(t: torch.Tensor) -> bool:
+    return (
+        t.device.type == "cpu"
+        and t.layout is torch.strided
+        and not t.requires_grad
+        and not t.is_conj()
+        and not t.is_neg()
+        and not t.is_quantized
+        and t.dtype in _NAME_BY_DTYPE
+    )
+
+
 def _dispatch_table() -> dict:
     table = copyreg.dispatch_table.copy()
     table[torch.Tensor] = _reduce_tensor
+    table[torch.nn.Parameter] = _reduce_parameter
     return table
 
 
@@ -121,25 +142,28 @@ class _ArenaPickler(pickle.Pickler):
             return NotImplemented
         writer = self.arena._require_writer()
         nbytes = obj.numel() * obj.element_size()
-        if nbytes < self.min_bytes:
-            writer.count_decline("too_small")
-            return NotImplemented
-        if obj.requires_grad or obj.dtype not in _NAME_BY_DTYPE:
-            writer.count_decline("unsupported")
-            return NotImplemented
-        res = self.arena._write(obj)  # counts not_contiguous / unsupported / full itself
-        if res is None:
-            return NotImplemented  # falls through to dispatch_table -> _reduce_tensor
-        slot, gen = res
-        self.diverted.append(res)
-        return rebuild_fn, (
-            self.arena.name,
-            slot,
-            gen,
-            nbytes,
-            _NAME_BY_DTYPE[obj.dtype],
-            tuple(obj.shape),
-        )
+        offset = 0
+        # A loaned tensor (or a contiguous view of one) not sent yet goes as it is, whatever
+        # its size: it is in the arena already, so sending it costs no copy.
+        loan = None
+        if obj.dtype in _NAME_BY_DTYPE and obj.is_contiguous():
+            loan = writer.send_loan(obj)
+        if loan is not None:
+            slot, gen, offset = loan
+        else:
+            if nbytes < self.min_bytes:
+                writer.count_decline("too_small")
+                return NotImplemented
+            if obj.requires_grad or obj.dtype not in _NAME_BY_DTYPE:
+                writer.count_decline("unsupported")
+                return NotImplemented
+            res = self.arena._write(obj)  # counts not_contiguous / unsupported / full itself
+            if res is None:
+                return NotImplemented  # falls through to dispatch_table -> _reduce_tensor
+            slot, gen = res
+        self.diverted.append((slot, gen))
+        args = (self.arena.name, slot, gen, nbytes, _NAME_BY_DTYPE[obj.dtype], tuple(obj.shape))
+        return rebuild_fn, (args + (offset,) if offset else args)
 
 
 class Dumped:

@@ -164,13 +164,6 @@ def test_writer_unlink_keeps_attached_reader_working(arena, rand, same_bytes):
         ShmTensorArena.attach(arena.writer.handle(), 0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LIBRARY BUG (or a design decision to record): a writer ShmTensorArena that is "
-    "garbage-collected (or whose process exits) without close() never unlinks its shm name; "
-    "ArenaWriter::~ArenaWriter and ShmRegion::~ShmRegion only munmap/close, so the "
-    "/dev/shm/vsa_* file and its tmpfs memory stay until reboot",
-)
 def test_dropped_writer_does_not_leak_shm_name():
     w = ShmTensorArena.create(1, 1, 1 << 20)
     path = os.path.join(w.handle().dir, w.name)

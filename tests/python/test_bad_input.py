@@ -140,14 +140,7 @@ EXPECTED = {
     "get_tensor_dtype_not_dtype": ("TypeError", ["dtype"]),
 }
 
-KNOWN_BUGS = {
-    "generation_zero": "LIBRARY BUG: _check_stub (vllm_shm_arena/arena.py) accepts generation 0 "
-    "and get_tensor treats it as 'whatever the slot holds now', so a malformed stub with "
-    "generation 0 bypasses the stale-stub check and reads the current occupant",
-    "slot_beyond_uint32": "LIBRARY BUG: _check_stub does not bound slot_idx; a slot >= 2**32 "
-    "reaches the pybind uint32 argument and raises TypeError('incompatible function "
-    "arguments') instead of IndexError naming the slot",
-}
+KNOWN_BUGS: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")

@@ -104,8 +104,11 @@ def test_views_keep_the_slot_until_the_last_dies(fake, context):
     assert r.flush_releases(STREAM) == 1
 
 
-def test_unpinned_release_is_immediate_and_calls_nothing(fake):
-    # No CUDA context: the runtime must not even be looked at.
+def test_unpinned_release_is_immediate_and_calls_nothing(fake, monkeypatch):
+    # No CUDA context (forced off: on a GPU machine an earlier test may have created one):
+    # the runtime must not even be looked at.
+    monkeypatch.setattr(arena_mod, "_cuda_seen", False)
+    monkeypatch.setattr(arena_mod, "_cuda_context", lambda: False)
     w, r = _pair(num_slots=1)
     t = _get(w, r)
     del t

@@ -167,12 +167,6 @@ def test_parameter_with_grad_roundtrips(arena, rand, same_bytes, reducer):
     assert arena.writer.stats()["declined"]["unsupported"] >= 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LIBRARY BUG: a requires_grad Parameter is declined, but torch's Parameter "
-    "reduction then pickles p.data (a plain tensor), which the reducer diverts into the "
-    "arena: the trainable Parameter comes back aliasing a shared slot",
-)
 def test_parameter_with_grad_is_not_diverted(arena, rand, reducer):
     p = torch.nn.Parameter(big(rand, torch.float32), requires_grad=True)
     got = loads(*dumps(p, arena.writer))
@@ -276,12 +270,6 @@ def test_failed_dump_gives_every_slot_back(make_arena, rand, same_bytes, reducer
     same_bytes(got[1], t2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LIBRARY BUG: TensorArenaWriter::abort (csrc/torch_bindings.cpp) builds an "
-    "Allocation with nbytes=0, cold=false, so aborting a published cold copy leaves bytes/"
-    "cold_copies/cold_bytes counted and underflows warm_copies to 2**64-2",
-)
 def test_failed_dump_leaves_counters_consistent(make_arena, rand, reducer):
     a = make_arena(num_slots=2, slot_bytes=16 * MiB)
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
