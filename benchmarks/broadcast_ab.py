@@ -15,8 +15,8 @@ Messages are sent in lock-step (the next one after every reader acknowledged the
 one), so latencies are per message, not queueing effects. Prints ratios, never asserts.
 Results go to benchmarks/results/broadcast_ab.{json,md,png}.
 
-    python benchmarks/broadcast_ab.py            # default: TP {1,4} x {8,200} MB
-    python benchmarks/broadcast_ab.py --full     # TP {1,2,4,8} x {8,64,200} MB
+    python benchmarks/broadcast_ab.py            # default: TP {1,4} x {8,200} MiB
+    python benchmarks/broadcast_ab.py --full     # TP {1,2,4,8} x {8,64,200} MiB
 """
 
 from __future__ import annotations
@@ -34,13 +34,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vllm_shm_arena import MessageQueue  # noqa: E402
+from vllm_shm_arena import MessageQueue, message_queue  # noqa: E402
 
-MODES = ("inband", "oob", "arena")
+MODES = ("inband", "oob", "arena", "loan")
 MODE_LABEL = {
     "inband": "in-band pickle",
     "oob": "out-of-band _reduce_tensor",
     "arena": "shm tensor arena",
+    "arena-fixed": "arena, fixed 8x256MiB slots",
+    "loan": "arena, loaned tensor",
+}
+#: Extra workloads (one message each, several tensors): name -> list of tensor sizes in MB.
+WORKLOADS = {
+    "burst": [16] * 25,  # a request with 25 images of 16 MB
+    "huge": [1024],  # one 1 GiB tensor
 }
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -49,7 +56,7 @@ def copies_per_message(mode: str, tp: int) -> int:
     """Payload copies on the host per message, by construction of each path (not counting
     the readers' consume copy). in-band: serialize 1 + per reader transport 1 + unpickle 1;
     out-of-band: per reader transport 1 (zero-copy send and rebuild); arena: 1 writer copy."""
-    return {"inband": 1 + 2 * tp, "oob": tp, "arena": 1}[mode]
+    return {"inband": 1 + 2 * tp, "oob": tp, "arena": 1, "arena-fixed": 1, "loan": 0}[mode]
 
 
 def _reader_main(handle, rank, conn, consume_bytes, consume="cpu"):
@@ -64,16 +71,17 @@ def _reader_main(handle, rank, conn, consume_bytes, consume="cpu"):
         t_recv = time.perf_counter()
         if msg is None:
             break
-        t = msg["pixel_values"]
-        flat = t.reshape(-1).view(torch.uint8)
+        ts = msg["pixel_values"]
+        off, ok = 0, True
+        for t, (first, last) in zip(ts, msg["check"], strict=True):
+            flat = t.reshape(-1).view(torch.uint8)
+            dst[off : off + flat.numel()].copy_(flat, non_blocking=consume == "cuda")
+            off += flat.numel()
+            ok = ok and int(flat[0]) == first and int(flat[-1]) == last
         if consume == "cuda":
-            dst[: flat.numel()].copy_(flat, non_blocking=True)
             torch.cuda.current_stream().synchronize()
-        else:
-            dst[: flat.numel()].copy_(flat)
         t_cons = time.perf_counter()
-        ok = int(flat[0]) == msg["first"] and int(flat[-1]) == msg["last"]
-        del msg, t, flat
+        del msg, ts, t, flat
         conn.send((t_recv, t_cons, mq.last_dequeue_s, ok))
     conn.send(mq.stats())
     mq.shutdown()
@@ -108,31 +116,56 @@ def _stop_readers(mq, conns, procs):
 
 def _make_tensor(size_mb: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    n = size_mb * 1_000_000 // 2
+    n = (size_mb << 20) // 2
     return torch.randint(-(2**15), 2**15 - 1, (n,), generator=g, dtype=torch.int16).view(
         torch.bfloat16
     )
 
 
-def run_cell(mode, tp, size_mb, n_msgs, warmup, seed, bar=None, consume="cpu"):
-    """One (mode, TP, size) cell: fresh queue and readers, warm-up, then measured messages."""
-    t = _make_tensor(size_mb, seed)
-    raw = t.view(torch.uint8)
+def _queue(mode: str, tp: int) -> MessageQueue:
+    arena = mode in ("arena", "arena-fixed", "loan")
+    message_queue._ARENA_POLICY = "fixed" if mode == "arena-fixed" else "variable"
     mq = MessageQueue(
-        tp, tp, max_chunk_bytes=16 << 20, max_chunks=10, enable_shm_tensor_arena=(mode == "arena")
+        tp, tp, max_chunk_bytes=16 << 20, max_chunks=10, enable_shm_tensor_arena=arena
     )
     mq.serialize_inband = mode == "inband"
-    conns, procs = _start_readers(mq, tp, t.numel() * t.element_size(), consume)
+    return mq
+
+
+def _lend(mq: MessageQueue, sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Loan mode: the producer builds its tensors directly in the arena (the fill stands in
+    for the preprocessor writing its output, and is not part of the broadcast)."""
+    out = []
+    for src in sources:
+        t = mq.empty(src.shape, src.dtype)
+        t.copy_(src)
+        out.append(t)
+    return out
+
+
+def run_cell(mode, tp, size_mb, n_msgs, warmup, seed, bar=None, consume="cpu", sizes=None):
+    """One (mode, TP, workload) cell: fresh queue and readers, warm-up, then measured
+    messages. A message carries one tensor of size_mb, or one per entry of ``sizes``."""
+    sources = [_make_tensor(mb, seed + k) for k, mb in enumerate(sizes or [size_mb])]
+    check = [(int(t.view(torch.uint8)[0]), int(t.view(torch.uint8)[-1])) for t in sources]
+    nbytes = sum(t.numel() * t.element_size() for t in sources)
+    mq = _queue(mode, tp)
+    conns, procs = _start_readers(mq, tp, nbytes, consume)
     rows = []
     try:
+        before = {}
         for i in range(warmup + n_msgs):
-            msg = {"pixel_values": t, "step": i, "first": int(raw[0]), "last": int(raw[-1])}
+            if i == warmup:
+                before = mq.stats().get("arena", {})
+            ts = _lend(mq, sources) if mode == "loan" else sources
+            msg = {"pixel_values": ts, "step": i, "check": check}
             t0 = time.perf_counter()
             mq.enqueue(msg)
             t1 = time.perf_counter()
+            del ts, msg
             acks = [c.recv() for c in conns]
             if not all(a[3] for a in acks):
-                raise RuntimeError(f"{mode} TP={tp} {size_mb} MB: a reader saw wrong bytes")
+                raise RuntimeError(f"{mode} TP={tp} {size_mb} MiB: a reader saw wrong bytes")
             if i >= warmup:
                 rows.append(
                     {
@@ -148,7 +181,10 @@ def run_cell(mode, tp, size_mb, n_msgs, warmup, seed, bar=None, consume="cpu"):
     finally:
         reader_stats = _stop_readers(mq, conns, procs)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    nbytes = t.numel() * t.element_size()
+    arena = writer_stats.get("arena", {})
+    # Where the measured messages' tensors went: hits minus those of the warm-up.
+    hits = arena.get("hits", 0) - before.get("hits", 0) if arena else 0
+    fallbacks = len(sources) * n_msgs - hits if arena else 0
     cell = {
         "mode": mode,
         "tp": tp,
@@ -156,9 +192,16 @@ def run_cell(mode, tp, size_mb, n_msgs, warmup, seed, bar=None, consume="cpu"):
         "messages": n_msgs,
         **{f"{k}_p50": v for k, v in med.items()},
         "delivery_ms_min": min(r["delivery_ms"] for r in rows),
-        "host_bytes_moved": (copies_per_message(mode, tp) + tp) * nbytes,
-        "arena_hits": writer_stats.get("arena", {}).get("hits", 0),
-        "arena_declined": writer_stats.get("arena", {}).get("declined", {}),
+        # A declined tensor (e.g. below the 8 MiB threshold) took the out-of-band path.
+        "workload": "single" if sizes is None else f"{len(sizes)}x{sizes[0]}MB",
+        "tensor_bytes": nbytes,
+        "fallbacks_per_message": fallbacks / n_msgs,
+        "host_bytes_moved": (
+            copies_per_message(mode if hits else ("oob" if arena else mode), tp) + tp
+        )
+        * nbytes,
+        "arena_hits": hits,
+        "arena_declined": arena.get("declined", {}),
         "overflow_messages": writer_stats["overflow_messages"],
         "reader_overflow": sum(s.get("overflow_messages", 0) for s in reader_stats),
     }
@@ -166,8 +209,8 @@ def run_cell(mode, tp, size_mb, n_msgs, warmup, seed, bar=None, consume="cpu"):
 
 
 def warm_memcpy_ms(size_mb: int, reps: int = 7) -> float:
-    """Median time of one warm memcpy of size_mb (torch copy_ between touched buffers)."""
-    n = size_mb * 1_000_000
+    """Median time of one warm memcpy of size_mb MiB (torch copy_ between touched buffers)."""
+    n = size_mb << 20
     src = torch.ones(n, dtype=torch.uint8)
     dst = torch.zeros(n, dtype=torch.uint8)
     times = []
@@ -248,15 +291,16 @@ def write_outputs(result: dict, out_dir: str) -> None:
         "measured messages per cell after warm-up; lock-step (one message in flight); "
         f"readers consume into {result['consume']} memory.",
         "",
-        "| size MB | TP | mode | enqueue ms | delivery ms | consume ms | reader dequeue µs "
-        "| host GB moved | arena hits |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| workload | MiB | TP | mode | enqueue ms | delivery ms | consume ms "
+        "| reader dequeue µs | host GB moved | arena hits | fallbacks/msg |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in result["cells"]:
         lines.append(
-            f"| {c['size_mb']} | {c['tp']} | {MODE_LABEL[c['mode']]} | {c['enqueue_ms_p50']:.1f} "
-            f"| {c['delivery_ms_p50']:.1f} | {c['consume_ms_p50']:.1f} | {c['dequeue_us_p50']:.0f} "
-            f"| {c['host_bytes_moved'] / 1e9:.2f} | {c['arena_hits']} |"
+            f"| {c['workload']} | {c['tensor_bytes'] >> 20} | {c['tp']} | {MODE_LABEL[c['mode']]} "
+            f"| {c['enqueue_ms_p50']:.2f} | {c['delivery_ms_p50']:.2f} | {c['consume_ms_p50']:.1f} "
+            f"| {c['dequeue_us_p50']:.0f} | {c['host_bytes_moved'] / 1e9:.2f} | {c['arena_hits']} "
+            f"| {c['fallbacks_per_message']:g} |"
         )
     lines += ["", "## Ratios", ""]
     for k, v in result["ratios"].items():
@@ -270,12 +314,13 @@ def write_outputs(result: dict, out_dir: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    sizes = sorted({c["size_mb"] for c in result["cells"]})
+    singles = [c for c in result["cells"] if c["workload"] == "single"]
+    sizes = sorted({c["size_mb"] for c in singles})
     fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
     for ax, size in zip(axes[0], sizes, strict=True):
         for mode in MODES:
             cs = sorted(
-                (c for c in result["cells"] if c["size_mb"] == size and c["mode"] == mode),
+                (c for c in singles if c["size_mb"] == size and c["mode"] == mode),
                 key=lambda c: c["tp"],
             )
             if cs:
@@ -285,7 +330,7 @@ def write_outputs(result: dict, out_dir: str) -> None:
                     marker="o",
                     label=MODE_LABEL[mode],
                 )
-        ax.set_title(f"{size} MB tensor: delivery latency (p50)")
+        ax.set_title(f"{size} MiB tensor: delivery latency (p50)")
         ax.set_xlabel("TP (reader processes)")
         ax.set_ylabel("ms")
         ax.set_yscale("log")
@@ -319,14 +364,21 @@ def machine_info() -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--full", action="store_true", help="TP {1,2,4,8} x {8,64,200} MB")
+    ap.add_argument("--full", action="store_true", help="TP {1,2,4,8} x {8,64,200} MiB")
     ap.add_argument("--tp", type=int, nargs="+")
-    ap.add_argument("--sizes", type=int, nargs="+", help="tensor sizes in MB")
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--sizes", type=int, nargs="+", help="tensor sizes in MiB")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODE_LABEL))
     ap.add_argument("--messages", type=int, default=10, help="measured messages per cell")
     ap.add_argument("--warmup", type=int, default=8, help="warm-up messages (>= slots)")
-    ap.add_argument("--small-messages", type=int, default=200)
+    ap.add_argument("--small-messages", type=int, default=400)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument(
+        "--workloads",
+        nargs="*",
+        default=list(WORKLOADS),
+        choices=list(WORKLOADS),
+        help="extra one-message workloads at the highest TP (burst: 25 x 16 MiB; huge: 1 GiB)",
+    )
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument(
         "--consume",
@@ -337,7 +389,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     tps = args.tp or ([1, 2, 4, 8] if args.full else [1, 4])
     sizes = args.sizes or ([8, 64, 200] if args.full else [8, 200])
-    print(f"seed={args.seed}  TP={tps}  sizes MB={sizes}  modes={args.modes}", flush=True)
+    print(f"seed={args.seed}  TP={tps}  sizes MiB={sizes}  modes={args.modes}", flush=True)
 
     try:
         from tqdm import tqdm
@@ -357,13 +409,34 @@ def main(argv=None) -> int:
                         mode, tp, size, args.messages, args.warmup, args.seed, bar, args.consume
                     )
                 )
+    # Extra workloads at the highest TP: fewer messages (each is large).
+    wl_modes = {"burst": ["oob", "arena-fixed", "arena", "loan"], "huge": ["oob", "arena", "loan"]}
+    for wl in args.workloads:
+        for mode in wl_modes[wl]:
+            if bar is not None:
+                bar.set_description(f"{wl} TP={max(tps)} {mode}")
+            cells.append(
+                run_cell(
+                    mode,
+                    max(tps),
+                    WORKLOADS[wl][0],
+                    3,
+                    1,
+                    args.seed,
+                    None,
+                    args.consume,
+                    sizes=WORKLOADS[wl],
+                )
+            )
     if bar is not None:
         bar.close()
-    small = small_message_overhead(max(tps), args.small_messages, args.seed)
+    small = [
+        small_message_overhead(tp, args.small_messages, args.seed) for tp in sorted({1, max(tps)})
+    ]
 
-    def cell(mode, tp, size):
+    def cell(mode, tp, size, workload="single"):
         for c in cells:
-            if (c["mode"], c["tp"], c["size_mb"]) == (mode, tp, size):
+            if (c["mode"], c["tp"], c["size_mb"], c["workload"]) == (mode, tp, size, workload):
                 return c
         return None
 
@@ -372,29 +445,49 @@ def main(argv=None) -> int:
     tp_hi = max(tps)
     a, o = cell("arena", tp_hi, big), cell("oob", tp_hi, big)
     if a:
-        ratios[f"arena delivery / warm memcpy ({big} MB, TP={tp_hi})"] = (
+        ratios[f"arena delivery / warm memcpy ({big} MiB, TP={tp_hi})"] = (
             a["delivery_ms_p50"] / memcpy[big]
         )
     if a and o:
-        ratios[f"out-of-band / arena delivery ({big} MB, TP={tp_hi})"] = (
+        ratios[f"out-of-band / arena delivery ({big} MiB, TP={tp_hi})"] = (
             o["delivery_ms_p50"] / a["delivery_ms_p50"]
         )
     a1 = cell("arena", min(tps), big)
     if a and a1:
-        ratios[f"arena delivery TP={tp_hi} / TP={min(tps)} ({big} MB)"] = (
+        ratios[f"arena delivery TP={tp_hi} / TP={min(tps)} ({big} MiB)"] = (
             a["delivery_ms_p50"] / a1["delivery_ms_p50"]
         )
     ar = [c["dequeue_us_p50"] for c in cells if c["mode"] == "arena"]
     if ar:
         ratios["arena reader dequeue p50, max over cells (us)"] = max(ar)
-    ratios[f"tensor-free messages p50 enqueue+dequeue, arena on / off (TP={small['tp']})"] = small[
-        "ratio"
-    ]
+    for sm in small:
+        ratios[f"tensor-free messages p50 enqueue+dequeue, arena on / off (TP={sm['tp']})"] = sm[
+            "ratio"
+        ]
     ib = cell("inband", tp_hi, big)
     if ib and a:
-        ratios[f"in-band / arena delivery ({big} MB, TP={tp_hi})"] = (
+        ratios[f"in-band / arena delivery ({big} MiB, TP={tp_hi})"] = (
             ib["delivery_ms_p50"] / a["delivery_ms_p50"]
         )
+    lo, ls = cell("loan", tp_hi, big), cell("loan", tp_hi, min(sizes))
+    if lo:
+        ratios[f"loaned {big} MiB delivery, TP={tp_hi} (ms)"] = lo["delivery_ms_p50"]
+    if lo and ls:
+        ratios[f"loaned delivery {big} MiB / {min(sizes)} MiB (TP={tp_hi})"] = (
+            lo["delivery_ms_p50"] / ls["delivery_ms_p50"]
+        )
+    if lo and a:
+        ratios[f"copying arena / loaned delivery ({big} MiB, TP={tp_hi})"] = (
+            a["delivery_ms_p50"] / lo["delivery_ms_p50"]
+        )
+    for c in cells:
+        if c["workload"] == "single":
+            continue
+        key = f"{c['workload']} TP={c['tp']} {c['mode']}"
+        ratios[f"{key}: fallbacks per message"] = float(c["fallbacks_per_message"])
+        if c["mode"] in ("arena", "arena-fixed"):
+            once = warm_memcpy_ms(c["tensor_bytes"] >> 20, reps=3)
+            ratios[f"{key}: delivery / one warm copy of its bytes"] = c["delivery_ms_p50"] / once
 
     result = {
         "command": " ".join(["python", "benchmarks/broadcast_ab.py", *(argv or sys.argv[1:])]),
@@ -410,15 +503,16 @@ def main(argv=None) -> int:
         "ratios": ratios,
     }
     hdr = (
-        f"{'size':>5} {'TP':>3} {'mode':<28} {'enqueue':>9} {'delivery':>9} {'consume':>9} "
-        f"{'dequeue':>9} {'GB moved':>9}"
+        f"{'workload':>9} {'MiB':>5} {'TP':>3} {'mode':<28} {'enqueue':>9} {'delivery':>9} "
+        f"{'consume':>9} {'dequeue':>9} {'GB moved':>9}"
     )
     print()
     print(hdr)
     for c in cells:
         print(
-            f"{c['size_mb']:>4}M {c['tp']:>3} {MODE_LABEL[c['mode']]:<28} "
-            f"{c['enqueue_ms_p50']:>7.1f}ms {c['delivery_ms_p50']:>7.1f}ms "
+            f"{c['workload']:>9} {c['tensor_bytes'] >> 20:>5} {c['tp']:>3} "
+            f"{MODE_LABEL[c['mode']]:<28} "
+            f"{c['enqueue_ms_p50']:>7.2f}ms {c['delivery_ms_p50']:>7.2f}ms "
             f"{c['consume_ms_p50']:>7.1f}ms {c['dequeue_us_p50']:>7.0f}us "
             f"{c['host_bytes_moved'] / 1e9:>9.2f}"
         )

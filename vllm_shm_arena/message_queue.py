@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from vllm_shm_arena import metrics
 from vllm_shm_arena._ext import _C
 from vllm_shm_arena.arena import ArenaHandle, ShmTensorArena
 from vllm_shm_arena.pickler import Dumped, dump_message, dumps_inband, loads
@@ -41,8 +42,32 @@ _STARVING_AGE_S = 30.0
 #: Warn about a long wait every this many seconds.
 _WAIT_WARN_S = 60.0
 
+#: Arena geometry of the queues this process creates (read once, at import).
+#: "variable": one region of _ARENA_BYTES packing any tensor up to its size (the default);
+#: "fixed": _ARENA_NUM_SLOTS slots of _ARENA_SLOT_BYTES (the design document's layout).
+_ARENA_POLICY = os.environ.get("VLLM_SHM_ARENA_POLICY", "variable")
+_ARENA_BYTES = int(os.environ.get("VLLM_SHM_ARENA_MB", "2048")) << 20
+_ARENA_MAX_ALLOCATIONS = int(os.environ.get("VLLM_SHM_ARENA_MAX_ALLOCATIONS", "1024"))
 _ARENA_NUM_SLOTS = int(os.environ.get("VLLM_SHM_ARENA_NUM_SLOTS", "8"))
 _ARENA_SLOT_BYTES = int(os.environ.get("VLLM_SHM_ARENA_SLOT_MB", "256")) << 20
+
+
+def _create_arena(n_readers: int) -> ShmTensorArena:
+    """The arena for a new queue, shaped by the VLLM_SHM_ARENA_* settings above."""
+    if _ARENA_POLICY == "fixed":
+        return ShmTensorArena.create(
+            n_readers, num_slots=_ARENA_NUM_SLOTS, slot_bytes=_ARENA_SLOT_BYTES
+        )
+    if _ARENA_POLICY != "variable":
+        raise ValueError(
+            f"VLLM_SHM_ARENA_POLICY must be 'variable' or 'fixed', got {_ARENA_POLICY!r}"
+        )
+    return ShmTensorArena.create(
+        n_readers,
+        policy="variable",
+        arena_bytes=_ARENA_BYTES,
+        max_allocations=_ARENA_MAX_ALLOCATIONS,
+    )
 
 
 @dataclass
@@ -127,6 +152,10 @@ class MessageQueue:
         self._is_remote_reader = False
         self.local_reader_rank = -1
         self._shutdown = threading.Event()
+        # Held while a call uses the ZeroMQ sockets, so shutdown() from another thread does not
+        # close a socket under it (ZeroMQ sockets are not thread-safe).
+        self._io_lock = threading.RLock()
+        self._pid = os.getpid()
         self._ctx = zmq.Context()
         self._log = _RateLimitedLog()
         self._counters = {"messages": 0, "ring_messages": 0, "overflow_messages": 0, "bytes": 0}
@@ -160,9 +189,7 @@ class MessageQueue:
                     n_reader,
                 )
             else:
-                self.arena = ShmTensorArena.create(
-                    n_local_reader, num_slots=_ARENA_NUM_SLOTS, slot_bytes=_ARENA_SLOT_BYTES
-                )
+                self.arena = _create_arena(n_local_reader)
         self._last_decline = {}
         self._last_report = 0.0
         self.handle = Handle(
@@ -192,6 +219,10 @@ class MessageQueue:
         self.handle = handle
         self._is_writer = False
         self._shutdown = threading.Event()
+        # Held while a call uses the ZeroMQ sockets, so shutdown() from another thread does not
+        # close a socket under it (ZeroMQ sockets are not thread-safe).
+        self._io_lock = threading.RLock()
+        self._pid = os.getpid()
         self._ctx = zmq.Context()
         self._log = _RateLimitedLog()
         self._counters = {"messages": 0, "ring_messages": 0, "overflow_messages": 0, "bytes": 0}
@@ -199,6 +230,7 @@ class MessageQueue:
         self.local_socket = self.remote_socket = None
         self.arena = None
         self._ready = False
+        self._last_report = 0.0
         self.last_dequeue_s = 0.0
         self.n_local_reader = len(handle.local_reader_ranks)
         if rank in handle.local_reader_ranks:
@@ -236,28 +268,31 @@ class MessageQueue:
         wait for that. Afterwards the shm names are unlinked, so nothing is left in
         ``/dev/shm`` even if every process is killed."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self._is_writer:
-            for sock, n in (
-                (self.local_socket, self.n_local_reader),
-                (self.remote_socket, self.n_remote_reader),
-            ):
-                if sock is None:
-                    continue
-                for _ in range(n):
-                    self._poll(sock, deadline, "readers to subscribe")
-                    sock.recv()
-                sock.send(b"READY")
-            # Every local reader has mapped the ring and the arena: drop the names.
-            if self._ring is not None:
-                self._ring.unlink()
-            if self.arena is not None:
-                self.arena.unlink()
-        else:
-            sock = self.local_socket if self._is_local_reader else self.remote_socket
-            self._poll(sock, deadline, "the writer's READY")
-            msg = sock.recv()
-            if msg != b"READY":
-                raise RuntimeError(f"unexpected first message on the queue socket: {msg[:32]!r}")
+        with self._io_lock:
+            if self._is_writer:
+                for sock, n in (
+                    (self.local_socket, self.n_local_reader),
+                    (self.remote_socket, self.n_remote_reader),
+                ):
+                    if sock is None:
+                        continue
+                    for _ in range(n):
+                        self._poll(sock, deadline, "readers to subscribe")
+                        sock.recv()
+                    sock.send(b"READY")
+                # Every local reader has mapped the ring and the arena: drop the names.
+                if self._ring is not None:
+                    self._ring.unlink()
+                if self.arena is not None:
+                    self.arena.unlink()
+            else:
+                sock = self.local_socket if self._is_local_reader else self.remote_socket
+                self._poll(sock, deadline, "the writer's READY")
+                msg = sock.recv()
+                if msg != b"READY":
+                    raise RuntimeError(
+                        f"unexpected first message on the queue socket: {msg[:32]!r}"
+                    )
         self._ready = True
 
     def _poll(self, sock, deadline, what):
@@ -335,6 +370,12 @@ class MessageQueue:
             self._send_socket(self.remote_socket, frames, deadline)
 
     def _send_socket(self, sock, frames: list, deadline: float | None) -> None:
+        with self._io_lock:
+            if self._shutdown.is_set():  # the socket is closed (or about to be)
+                raise RuntimeError("MessageQueue was shut down")
+            self._send_socket_locked(sock, frames, deadline)
+
+    def _send_socket_locked(self, sock, frames: list, deadline: float | None) -> None:
         trackers = []
         for i, f in enumerate(frames):
             more = zmq.SNDMORE if i + 1 < len(frames) else 0
@@ -344,13 +385,25 @@ class MessageQueue:
                 trackers.append(sock.send(f, more, copy=False, track=True))
             else:
                 sock.send(f, more, copy=True)
+        # Every frame is queued: the message is committed and will be delivered. The deadline
+        # no longer applies: a TimeoutError now would report a delivered message as failed
+        # (enqueue would give back the arena slots its stubs name) while ZeroMQ still reads the
+        # caller's memory. Only shutdown interrupts the wait.
+        started = time.monotonic()
         for t in trackers:
             while not t.done:
-                self._time_left(deadline, "ZeroMQ to finish sending")
+                self._time_left(None, "ZeroMQ to finish sending")
                 try:
                     t.wait(_WAIT_SLICE_S)
                 except zmq.NotDone:
-                    pass
+                    if time.monotonic() - started > _WAIT_WARN_S:
+                        self._log(
+                            "slow_send",
+                            logging.WARNING,
+                            "ZeroMQ has not finished sending a message for %.0f s "
+                            "(a reader is not reading)",
+                            time.monotonic() - started,
+                        )
 
     def _time_left(self, deadline, what):
         if self._shutdown.is_set():
@@ -362,8 +415,21 @@ class MessageQueue:
             raise TimeoutError(f"timed out waiting for {what}")
         return left
 
+    def empty(self, shape, dtype=None):
+        """Writer: a tensor to fill in place that ``enqueue`` then sends without copying (a
+        loan from the arena; see ``ShmTensorArena.empty`` for the rules). Without an arena, or
+        when the arena cannot lend that much now, a plain ``torch.empty``."""
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
+        if not self._is_writer:
+            raise RuntimeError("only the writer can lend tensors")
+        t = self.arena.empty(shape, dtype) if self.arena is not None else None
+        return t if t is not None else torch.empty(tuple(shape), dtype=dtype)
+
     def _report_arena(self) -> None:
         s = self.arena.stats()
+        metrics.record_writer_stats(s)
         d = s["declined"]
         for key, what in (
             (
@@ -402,6 +468,10 @@ class MessageQueue:
             raise RuntimeError("the writer cannot dequeue")
         if self.arena is not None:
             self.arena.flush_releases()
+            now = time.monotonic()
+            if now - self._last_report >= 1.0:
+                self._last_report = now
+                metrics.record_reader_stats(self.arena.stats())
         deadline = None if timeout is None else time.monotonic() + timeout
         started = time.monotonic()
         warned_at = started
@@ -438,9 +508,10 @@ class MessageQueue:
         return obj
 
     def _recv_socket(self, sock, deadline):
-        self._poll(sock, deadline, "a message on the socket")
-        # Zero-copy frames: each belongs to this reader for good, so tensors may alias them.
-        return [f.buffer for f in sock.recv_multipart(copy=False)]
+        with self._io_lock:
+            self._poll(sock, deadline, "a message on the socket")
+            # Zero-copy frames: each belongs to this reader for good, so tensors may alias them.
+            return [f.buffer for f in sock.recv_multipart(copy=False)]
 
     def _unpickle(self, frames):
         diverted = _parse_diverted(frames[0]) if len(frames[0]) else []
@@ -483,15 +554,30 @@ class MessageQueue:
         self._shutdown.set()
         if self._is_writer and self._ring is not None:
             self._ring.shutdown()
-        for s in (self.local_socket, self.remote_socket):
-            if s is not None:
-                s.close(linger=0)
+            # Idempotent; covers a queue shut down before wait_until_ready unlinked the name.
+            self._ring.unlink()
+        # A call blocked on a socket in another thread sees the flag within one wait slice and
+        # lets go of the lock; only then are the sockets closed.
+        locked = self._io_lock.acquire(timeout=10 * _WAIT_SLICE_S)
+        try:
+            for s in (self.local_socket, self.remote_socket):
+                if s is not None:
+                    s.close(linger=0)
+        finally:
+            if locked:
+                self._io_lock.release()
         if self.arena is not None and self._is_writer:
             self.arena.close()
 
     def __del__(self):
         try:
-            if not self._shutdown.is_set() and self._is_writer and self._ring is not None:
+            # A forked child dropping its inherited copy must not shut down its parent's ring.
+            if (
+                not self._shutdown.is_set()
+                and self._is_writer
+                and self._ring is not None
+                and os.getpid() == self._pid
+            ):
                 self._ring.shutdown()
         except Exception:
             pass
