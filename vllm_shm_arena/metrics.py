@@ -1,0 +1,232 @@
+"""Prometheus metrics for the arena, named like vLLM's own (``vllm:`` prefix).
+
+Writer (engine-core process), from ``ShmTensorArena.stats()`` of the writer:
+
+* ``vllm:shm_arena_hits_total``: tensors written into the arena (one copy for all readers);
+* ``vllm:shm_arena_bytes_total``: their bytes;
+* ``vllm:shm_arena_declined_total{reason}``: tensors the arena turned down (``too_small``,
+  ``not_contiguous``, ``oversize``, ``no_free_slot``, ``no_space``, ``unsupported``), which
+  took the out-of-band path instead;
+* ``vllm:shm_arena_reclaimed_slots_total``: slots recycled once every reader let go;
+* ``vllm:shm_arena_dead_readers_total``: readers found dead (their slots were taken back);
+* ``vllm:shm_arena_slots_in_use``: slots holding a tensor some reader may still read.
+
+Readers (worker processes), from a reader's ``stats()``, summed over live processes:
+
+* ``vllm:shm_arena_pinned_bytes``: arena bytes page-locked for DMA;
+* ``vllm:shm_arena_reader_held_slots``: slots whose tensors are still alive in a reader;
+* ``vllm:shm_arena_pending_releases``: slots waiting for their H2D copy to finish.
+
+With ``PROMETHEUS_MULTIPROC_DIR`` set (before ``prometheus_client`` is first imported, as
+prometheus_client requires) the values go to files there, and a
+``MultiProcessCollector`` in any process (vLLM's API server) exports those of every process.
+The metrics are created on first use; without ``prometheus_client`` every function here is a
+no-op. ``stats()`` counters are cumulative: each call adds the increase since the previous
+call for the same ``key``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+logger = logging.getLogger("vllm_shm_arena")
+
+#: Name prefix, as vLLM's own metrics.
+PREFIX = "vllm:shm_arena_"
+#: Decline reasons reported by the writer's ``stats()["declined"]``.
+DECLINE_REASONS: tuple[str, ...] = (
+    "too_small",
+    "not_contiguous",
+    "oversize",
+    "no_free_slot",
+    "no_space",
+    "unsupported",
+)
+
+_lock = threading.Lock()
+_metrics: _Metrics | None = None
+#: True once importing prometheus_client failed: every call is a no-op from then on.
+_unavailable = False
+#: Last cumulative value seen per (key, counter name), to turn totals into increments.
+_last: dict[tuple[str, str], int] = {}
+
+
+def _multiproc_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+
+
+class _Metrics:
+    """The collectors (registered in prometheus_client's default registry)."""
+
+    def __init__(self, prom: Any) -> None:
+        self._prom = prom
+        self.hits = self._make(
+            prom.Counter, "hits", "Tensors written into the shm tensor arena (one copy for all)"
+        )
+        self.bytes = self._make(
+            prom.Counter, "bytes", "Bytes of tensors written into the shm tensor arena"
+        )
+        self.declined = self._make(
+            prom.Counter,
+            "declined",
+            "Tensors the shm tensor arena declined (sent out of band instead), by reason",
+            labelnames=["reason"],
+        )
+        self.reclaimed = self._make(
+            prom.Counter, "reclaimed_slots", "Arena slots recycled once every reader let go"
+        )
+        self.dead_readers = self._make(
+            prom.Counter, "dead_readers", "Arena readers found dead (their slots taken back)"
+        )
+        live = {"multiprocess_mode": "livesum"}
+        self.slots_in_use = self._make(
+            prom.Gauge, "slots_in_use", "Arena slots a reader may still read", **live
+        )
+        self.pinned_bytes = self._make(
+            prom.Gauge, "pinned_bytes", "Arena bytes page-locked by readers for DMA", **live
+        )
+        self.held = self._make(
+            prom.Gauge, "reader_held_slots", "Arena slots whose tensors readers keep alive", **live
+        )
+        self.pending = self._make(
+            prom.Gauge,
+            "pending_releases",
+            "Arena slots waiting for a reader's H2D copy to finish",
+            **live,
+        )
+
+    def _make(self, kind: Any, short: str, doc: str, **kwargs: Any) -> Any:
+        name = PREFIX + short
+        try:
+            return kind(name, doc, **kwargs)
+        except ValueError:
+            # Already in the default registry (this module was reset, e.g. by a test): reuse.
+            existing = self._prom.REGISTRY._names_to_collectors.get(name)
+            if existing is None:
+                raise
+            return existing
+
+
+def _get() -> _Metrics | None:
+    """The collectors, created on first use; None when prometheus_client is missing."""
+    global _metrics, _unavailable
+    if _metrics is not None or _unavailable:
+        return _metrics
+    with _lock:
+        if _metrics is None and not _unavailable:
+            try:
+                import prometheus_client as prom
+            except ImportError:
+                _unavailable = True
+                return None
+            _metrics = _Metrics(prom)
+            if _multiproc_dir() is not None:
+                # Live gauges of this process must not outlive it in the shared directory.
+                atexit.register(_mark_dead, os.getpid())
+    return _metrics
+
+
+def _mark_dead(pid: int) -> None:
+    if os.getpid() != pid:  # a forked child exiting does not speak for its parent
+        return
+    try:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)
+    except Exception:
+        pass
+
+
+def enabled() -> bool:
+    """Whether metrics are recorded (``prometheus_client`` is importable, no error so far)."""
+    return _get() is not None and not _unavailable
+
+
+def _increase(key: str, name: str, total: Any) -> int:
+    """How much the cumulative ``total`` grew since the last call (the whole value after a
+    reset, e.g. a new arena under the same key)."""
+    total = int(total or 0)
+    last = _last.get((key, name), 0)
+    _last[(key, name)] = total
+    return total - last if total >= last else total
+
+
+def _never_raise(fn: Callable[..., None]) -> Callable[..., None]:
+    """Metrics must never break the queue: the first failure is logged and turns them off."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        global _unavailable
+        if _unavailable:
+            return
+        try:
+            fn(*args, **kwargs)
+        except Exception:
+            _unavailable = True
+            logger.warning("vllm_shm_arena: metrics disabled after an error", exc_info=True)
+
+    return wrapper
+
+
+@_never_raise
+def record_writer_stats(stats: Mapping[str, Any], key: str = "writer") -> None:
+    """Exports a writer's ``ShmTensorArena.stats()`` (or a ``MessageQueue.stats()`` holding it
+    under ``"arena"``). ``key`` tells apart several writers in one process (e.g. the arena's
+    name). Call it at most about once a second. Never raises."""
+    m = _get()
+    if m is None:
+        return
+    if "hits" not in stats and isinstance(stats.get("arena"), Mapping):
+        stats = stats["arena"]
+    with _lock:
+        incs = {
+            "hits": _increase(key, "hits", stats.get("hits")),
+            "bytes": _increase(key, "bytes", stats.get("bytes")),
+            "reclaimed": _increase(key, "reclaimed", stats.get("reclaimed")),
+            "dead_readers": _increase(key, "dead_readers", stats.get("dead_readers")),
+        }
+        declined = stats.get("declined") or {}
+        decl_incs = {r: _increase(key, f"declined:{r}", n) for r, n in declined.items()}
+    if incs["hits"]:
+        m.hits.inc(incs["hits"])
+    if incs["bytes"]:
+        m.bytes.inc(incs["bytes"])
+    if incs["reclaimed"]:
+        m.reclaimed.inc(incs["reclaimed"])
+    if incs["dead_readers"]:
+        m.dead_readers.inc(incs["dead_readers"])
+    for reason, n in decl_incs.items():
+        if n:
+            m.declined.labels(reason=str(reason)).inc(n)
+    if "in_use" in stats:
+        m.slots_in_use.set(int(stats["in_use"]))
+
+
+@_never_raise
+def record_reader_stats(stats: Mapping[str, Any]) -> None:
+    """Exports a reader's ``ShmTensorArena.stats()`` (``pinned_bytes``, ``held``,
+    ``pending_releases``) as this process's gauge values (summed over live processes).
+    Never raises."""
+    m = _get()
+    if m is None:
+        return
+    if "held" not in stats and isinstance(stats.get("arena"), Mapping):
+        stats = stats["arena"]
+    m.pinned_bytes.set(int(stats.get("pinned_bytes") or 0))
+    m.held.set(int(stats.get("held") or 0))
+    m.pending.set(int(stats.get("pending_releases") or 0))
+
+
+def _reset() -> None:
+    """Forgets the collectors and the last-seen totals (tests)."""
+    global _metrics, _unavailable
+    with _lock:
+        _metrics = None
+        _unavailable = False
+        _last.clear()
