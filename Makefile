@@ -54,6 +54,10 @@ tsan:
 
 sanitize: asan tsan
 
+# The vLLM plugin against the real vLLM 0.33.0 wheel (first run builds .venv-vllm; downloads).
+vllm-test:
+	bash scripts/vllm_test.sh
+
 # On a machine with a GPU (see scripts/gpu_check.sh).
 gpu-check:
 	bash scripts/gpu_check.sh

@@ -429,7 +429,7 @@ class MessageQueue:
 
     def _report_arena(self) -> None:
         s = self.arena.stats()
-        metrics.record_writer_stats(s)
+        metrics.record_writer_stats(s, key=self.arena.name)
         d = s["declined"]
         for key, what in (
             (
@@ -567,6 +567,7 @@ class MessageQueue:
             if locked:
                 self._io_lock.release()
         if self.arena is not None and self._is_writer:
+            metrics.record_writer_stats(self.arena.stats(), key=self.arena.name)  # final totals
             self.arena.close()
 
     def __del__(self):

@@ -1,0 +1,148 @@
+"""vllm_shm_arena.metrics: deltas from cumulative stats, multiprocess export, no-op fallback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from vllm_shm_arena import metrics
+
+prometheus_client = pytest.importorskip("prometheus_client")
+from prometheus_client import REGISTRY, CollectorRegistry, multiprocess  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+_CHILD = textwrap.dedent(
+    """
+    import sys
+    from vllm_shm_arena import metrics
+
+    def writer(hits, nbytes, full, reclaimed, in_use):
+        return {"hits": hits, "bytes": nbytes, "reclaimed": reclaimed, "dead_readers": 0,
+                "declined": {"no_free_slot": full, "oversize": 0}, "in_use": in_use}
+
+    metrics.record_writer_stats(writer(2, 100, 1, 1, 3))
+    metrics.record_writer_stats(writer(5, 300, 4, 2, 1))  # cumulative: adds 3, 200, 3, 1
+    metrics.record_reader_stats({"pinned_bytes": 4096, "held": 2, "pending_releases": 1})
+    print("recorded", flush=True)
+    sys.stdin.readline()  # stay alive (live gauges) until the parent has looked
+    """
+)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_metrics():
+    metrics._reset()
+    yield
+    metrics._reset()
+
+
+def _spawn_child(prom_dir: Path) -> subprocess.Popen:
+    env = dict(os.environ)
+    env["PROMETHEUS_MULTIPROC_DIR"] = str(prom_dir)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return subprocess.Popen(
+        [sys.executable, "-c", _CHILD],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_values_from_child_processes_reach_another_process(tmp_path):
+    children = [_spawn_child(tmp_path) for _ in range(2)]
+    try:
+        for c in children:
+            assert c.stdout.readline().strip() == "recorded"
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
+        get = registry.get_sample_value
+        # Counters add up over processes.
+        assert get("vllm:shm_arena_hits_total") == 10
+        assert get("vllm:shm_arena_bytes_total") == 600
+        assert get("vllm:shm_arena_declined_total", {"reason": "no_free_slot"}) == 8
+        assert get("vllm:shm_arena_reclaimed_slots_total") == 4
+        # Live gauges: the sum over processes still running.
+        assert get("vllm:shm_arena_slots_in_use") == 2
+        assert get("vllm:shm_arena_pinned_bytes") == 8192
+        assert get("vllm:shm_arena_reader_held_slots") == 4
+        assert get("vllm:shm_arena_pending_releases") == 2
+    finally:
+        for c in children:
+            c.communicate("\n", timeout=60)
+    assert all(c.returncode == 0 for c in children)
+
+    # Exited processes take their live gauges with them; their counts stay.
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
+    assert registry.get_sample_value("vllm:shm_arena_hits_total") == 10
+    assert not registry.get_sample_value("vllm:shm_arena_pinned_bytes")
+
+
+def _value(name: str, labels: dict | None = None) -> float:
+    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+
+def test_cumulative_stats_become_increments():
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        pytest.skip("reads this process's default registry")
+    before = _value("vllm:shm_arena_hits_total")
+    before_full = _value("vllm:shm_arena_declined_total", {"reason": "no_free_slot"})
+    metrics.record_writer_stats({"hits": 3, "declined": {"no_free_slot": 2}}, key="a")
+    metrics.record_writer_stats({"hits": 7, "declined": {"no_free_slot": 2}}, key="a")
+    assert _value("vllm:shm_arena_hits_total") - before == 7
+    # Another writer in the same process counts on its own.
+    metrics.record_writer_stats({"hits": 4}, key="b")
+    assert _value("vllm:shm_arena_hits_total") - before == 11
+    # A total that went down is a new arena under the same key: all of it is new.
+    metrics.record_writer_stats({"hits": 1, "declined": {"no_free_slot": 1}}, key="a")
+    assert _value("vllm:shm_arena_hits_total") - before == 12
+    assert _value("vllm:shm_arena_declined_total", {"reason": "no_free_slot"}) - before_full == 3
+    # A MessageQueue.stats() dict (arena nested) is accepted as well.
+    metrics.record_writer_stats({"messages": 9, "arena": {"hits": 2}}, key="c")
+    assert _value("vllm:shm_arena_hits_total") - before == 14
+
+
+def test_reader_gauges_take_the_latest_value():
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        pytest.skip("reads this process's default registry")
+    metrics.record_reader_stats({"pinned_bytes": 1 << 20, "held": 3, "pending_releases": 0})
+    metrics.record_reader_stats({"pinned_bytes": 2 << 20, "held": 1, "pending_releases": 2})
+    assert _value("vllm:shm_arena_pinned_bytes") == 2 << 20
+    assert _value("vllm:shm_arena_reader_held_slots") == 1
+    assert _value("vllm:shm_arena_pending_releases") == 2
+
+
+def test_everything_is_a_no_op_without_prometheus_client(monkeypatch):
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import raises ImportError
+    metrics._reset()
+    assert metrics.enabled() is False
+    metrics.record_writer_stats({"hits": 1, "bytes": 2, "declined": {"oversize": 1}})
+    metrics.record_reader_stats({"pinned_bytes": 1, "held": 1, "pending_releases": 1})
+    assert metrics._metrics is None
+
+
+def test_missing_fields_are_tolerated():
+    metrics.record_writer_stats({})
+    metrics.record_reader_stats({})
+    assert metrics.enabled() is True
+
+
+def test_a_broken_metrics_backend_never_breaks_the_caller(monkeypatch, caplog):
+    metrics.enabled()
+
+    def boom(*args, **kwargs):
+        raise ValueError("registry exploded")
+
+    monkeypatch.setattr(metrics._metrics.hits, "inc", boom)
+    metrics.record_writer_stats({"hits": 10**9}, key="boom")  # must not raise
+    assert metrics.enabled() is False
+    assert sum("metrics disabled" in r.getMessage() for r in caplog.records) == 1
+    metrics.record_writer_stats({"hits": 10**9 + 1}, key="boom")  # now a no-op
