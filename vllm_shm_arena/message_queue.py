@@ -151,14 +151,7 @@ class MessageQueue:
         self._is_local_reader = False
         self._is_remote_reader = False
         self.local_reader_rank = -1
-        self._shutdown = threading.Event()
-        # Held while a call uses the ZeroMQ sockets, so shutdown() from another thread does not
-        # close a socket under it (ZeroMQ sockets are not thread-safe).
-        self._io_lock = threading.RLock()
-        self._pid = os.getpid()
-        self._ctx = zmq.Context()
-        self._log = _RateLimitedLog()
-        self._counters = {"messages": 0, "ring_messages": 0, "overflow_messages": 0, "bytes": 0}
+        self._init_process_state()
         self._ready = False
         #: Pickle tensor bytes inside the stream (the pre-out-of-band baseline; benchmarks).
         self.serialize_inband = False
@@ -191,7 +184,6 @@ class MessageQueue:
             else:
                 self.arena = _create_arena(n_local_reader)
         self._last_decline = {}
-        self._last_report = 0.0
         self.handle = Handle(
             local_reader_ranks=list(local_reader_ranks),
             buffer_handle=(self._ring.name, self._ring.dir) if self._ring else None,
@@ -199,6 +191,18 @@ class MessageQueue:
             remote_subscribe_addr=remote_addr,
             tensor_arena_handle=self.arena.handle() if self.arena else None,
         )
+
+    def _init_process_state(self) -> None:
+        """State every queue end has, writer or reader."""
+        self._shutdown = threading.Event()
+        # Held while a call uses the ZeroMQ sockets, so shutdown() from another thread does not
+        # close a socket under it (ZeroMQ sockets are not thread-safe).
+        self._io_lock = threading.RLock()
+        self._pid = os.getpid()
+        self._ctx = zmq.Context()
+        self._log = _RateLimitedLog()
+        self._counters = {"messages": 0, "ring_messages": 0, "overflow_messages": 0, "bytes": 0}
+        self._last_report = 0.0
 
     def _xpub(self):
         s = self._ctx.socket(zmq.XPUB)
@@ -218,19 +222,11 @@ class MessageQueue:
         self = MessageQueue.__new__(MessageQueue)
         self.handle = handle
         self._is_writer = False
-        self._shutdown = threading.Event()
-        # Held while a call uses the ZeroMQ sockets, so shutdown() from another thread does not
-        # close a socket under it (ZeroMQ sockets are not thread-safe).
-        self._io_lock = threading.RLock()
-        self._pid = os.getpid()
-        self._ctx = zmq.Context()
-        self._log = _RateLimitedLog()
-        self._counters = {"messages": 0, "ring_messages": 0, "overflow_messages": 0, "bytes": 0}
+        self._init_process_state()
         self._ring = None
         self.local_socket = self.remote_socket = None
         self.arena = None
         self._ready = False
-        self._last_report = 0.0
         self.last_dequeue_s = 0.0
         self.n_local_reader = len(handle.local_reader_ranks)
         if rank in handle.local_reader_ranks:

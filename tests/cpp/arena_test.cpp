@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -444,14 +445,15 @@ TEST_CASE("holdings report what each reader holds", "[arena]") {
   CHECK(sut->holdings()[0].state == ReaderState::kDetached);
 }
 
-TEST_CASE("randomized multi-process stress with checksums", "[arena][stress]") {
-  const uint32_t seed = vsa_test::seed("arena stress");
-  const uint32_t n_readers = 3;
-  const int n_writes = 10000;
-  const uint64_t slot = 16 << 10;
-  auto sut = ArenaWriter::create(small_config(n_readers, 16, slot));
-  // One pipe per reader carries (record, generation, nbytes, checksum) stubs; a zero-nbytes
-  // stub with generation 0 means "done".
+namespace {
+
+// The multi-process stress both layouts run: `n_readers` forked readers receive (record,
+// generation, nbytes, checksum) stubs over pipes, verify the bytes, and release in random
+// order while holding up to `max_hold - 1` records each; the writer writes `n_writes`
+// payloads whose sizes `size_of` draws, retrying (never blocking inside the arena) while
+// readers hold everything. Returns how often the writer was declined.
+int run_stress(ArenaWriter& sut, uint32_t n_readers, uint32_t seed, int n_writes, uint32_t max_hold,
+               size_t max_bytes, const std::function<uint64_t(std::mt19937&)>& size_of) {
   struct Stub {
     uint64_t record, generation, nbytes, sum;
   };
@@ -465,7 +467,7 @@ TEST_CASE("randomized multi-process stress with checksums", "[arena][stress]") {
       ::close(fds[1]);
       int bad = 0;
       try {
-        auto reader = ArenaReader::attach(sut->name(), r);
+        auto reader = ArenaReader::attach(sut.name(), r);
         std::mt19937 rng(seed + r);
         std::vector<Stub> held;
         Stub s;
@@ -474,9 +476,9 @@ TEST_CASE("randomized multi-process stress with checksums", "[arena][stress]") {
               reader->acquire(static_cast<uint32_t>(s.record), s.generation, s.nbytes);
           if (checksum(p, s.nbytes) != s.sum) ++bad;
           held.push_back(s);
-          // Hold a random handful, release in random order.
-          while (held.size() > rng() % 6) {
+          while (held.size() > rng() % max_hold) {
             size_t i = rng() % held.size();
+            // A second acquire of a held record, then both releases: the per-record count.
             const uint8_t* q = reader->acquire(static_cast<uint32_t>(held[i].record),
                                                held[i].generation, held[i].nbytes);
             if (checksum(q, held[i].nbytes) != held[i].sum) ++bad;
@@ -497,14 +499,14 @@ TEST_CASE("randomized multi-process stress with checksums", "[arena][stress]") {
     wfds.push_back(fds[1]);
   }
   std::mt19937 rng(seed);
-  std::vector<uint8_t> buf(slot);
+  std::vector<uint8_t> buf(max_bytes);
   int declines = 0;
   for (int i = 0; i < n_writes; ++i) {
-    uint64_t n = rng() % (slot + 1);
+    uint64_t n = size_of(rng);
     fill_pattern(buf.data(), n, static_cast<uint64_t>(i) + seed);
     std::optional<Allocation> a;
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (!(a = sut->write(buf.data(), n))) {
+    while (!(a = sut.write(buf.data(), n))) {
       ++declines;
       REQUIRE(std::chrono::steady_clock::now() < deadline);
       std::this_thread::yield();
@@ -518,9 +520,21 @@ TEST_CASE("randomized multi-process stress with checksums", "[arena][stress]") {
     ::close(fd);
   }
   for (pid_t pid : pids) CHECK(vsa_test::exited_ok(vsa_test::wait_child(pid, 60)));
+  return declines;
+}
+
+}  // namespace
+
+TEST_CASE("randomized multi-process stress with checksums", "[arena][stress]") {
+  const uint32_t seed = vsa_test::seed("arena stress");
+  const uint64_t slot = 16 << 10;
+  auto sut = ArenaWriter::create(small_config(3, 16, slot));
+  // Three readers hold at most 5 records each: 16 slots always leave one free in the end.
+  int declines = run_stress(*sut, 3, seed, 10000, 6, slot,
+                            [&](std::mt19937& rng) { return rng() % (slot + 1); });
   sut->reclaim(false);
   WriterStats s = sut->stats();
-  CHECK(s.hits == static_cast<uint64_t>(n_writes));
+  CHECK(s.hits == 10000u);
   CHECK(s.in_use == 0);
   INFO("declines while readers held everything: " << declines);
   sut->unlink();
@@ -651,74 +665,14 @@ TEST_CASE("variable arena: record bound is a counted decline", "[arena][variable
 TEST_CASE("variable arena: randomized multi-process stress, random release order",
           "[arena][variable][stress]") {
   const uint32_t seed = vsa_test::seed("variable stress");
-  const uint32_t n_readers = 3;
   // Readers hold up to 7 records each (21 distinct at worst, of up to 2 MiB): the region
   // must fit that, or the writer waits for releases that wait for the writer.
   const uint64_t bytes = 48 << 20;
-  auto sut = ArenaWriter::create(variable_config(n_readers, bytes, 128));
-  struct Stub {
-    uint64_t record, generation, nbytes, sum;
-  };
-  std::vector<pid_t> pids;
-  std::vector<int> wfds;
-  for (uint32_t r = 0; r < n_readers; ++r) {
-    int fds[2];
-    REQUIRE(::pipe(fds) == 0);
-    pid_t pid = ::fork();
-    if (pid == 0) {
-      ::close(fds[1]);
-      int bad = 0;
-      try {
-        auto reader = ArenaReader::attach(sut->name(), r);
-        std::mt19937 rng(seed + r);
-        std::vector<Stub> held;
-        Stub s;
-        while (::read(fds[0], &s, sizeof(s)) == sizeof(s) && s.generation != 0) {
-          const uint8_t* p =
-              reader->acquire(static_cast<uint32_t>(s.record), s.generation, s.nbytes);
-          if (checksum(p, s.nbytes) != s.sum) ++bad;
-          held.push_back(s);
-          while (held.size() > rng() % 8) {
-            size_t i = rng() % held.size();
-            const uint8_t* q = reader->acquire(static_cast<uint32_t>(held[i].record),
-                                               held[i].generation, held[i].nbytes);
-            if (checksum(q, held[i].nbytes) != held[i].sum) ++bad;
-            reader->release(static_cast<uint32_t>(held[i].record), held[i].generation);
-            reader->release(static_cast<uint32_t>(held[i].record), held[i].generation);
-            held.erase(held.begin() + static_cast<long>(i));
-          }
-        }
-        for (auto& h : held) reader->release(static_cast<uint32_t>(h.record), h.generation);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "reader %u: %s\n", r, e.what());
-        ::_exit(3);
-      }
-      ::_exit(bad == 0 ? 0 : 4);
-    }
-    ::close(fds[0]);
-    pids.push_back(pid);
-    wfds.push_back(fds[1]);
-  }
-  std::mt19937 rng(seed);
-  std::vector<uint8_t> buf(2 << 20);
-  for (int i = 0; i < 10000; ++i) {
-    uint64_t n = (rng() % 20 == 0) ? rng() % buf.size() : rng() % 65536;
-    vsa_test::fill_pattern(buf.data(), n, static_cast<uint64_t>(i) + seed);
-    std::optional<Allocation> a;
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (!(a = sut->write(buf.data(), n))) {
-      REQUIRE(std::chrono::steady_clock::now() < deadline);
-      std::this_thread::yield();
-    }
-    Stub s{a->record, a->generation, n, checksum(buf.data(), n)};
-    for (int fd : wfds) REQUIRE(::write(fd, &s, sizeof(s)) == sizeof(s));
-  }
-  Stub done{0, 0, 0, 0};
-  for (int fd : wfds) {
-    REQUIRE(::write(fd, &done, sizeof(done)) == sizeof(done));
-    ::close(fd);
-  }
-  for (pid_t pid : pids) CHECK(vsa_test::exited_ok(vsa_test::wait_child(pid, 60)));
+  const size_t big = 2 << 20;
+  auto sut = ArenaWriter::create(variable_config(3, bytes, 128));
+  run_stress(*sut, 3, seed, 10000, 8, big, [&](std::mt19937& rng) {
+    return (rng() % 20 == 0) ? rng() % big : rng() % 65536;  // mostly small, some large
+  });
   sut->reclaim(false);
   WriterStats s = sut->stats();
   CHECK(s.in_use == 0);
