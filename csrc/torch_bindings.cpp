@@ -137,6 +137,7 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
   }
 
   void count_decline(DeclineReason why) { writer_->count_decline(why); }
+  void set_debug_checksum(bool on) { writer_->set_debug_checksum(on); }
   void abort(uint32_t slot, uint64_t generation) {
     Allocation a;
     a.record = slot;
@@ -281,6 +282,7 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
   py::dict stats() const {
     py::dict d;
     d["held"] = reader_->held();
+    d["checksum_mismatches"] = reader_->checksum_mismatches();
     std::lock_guard<std::mutex> lock(mu_);
     d["pinned_bytes"] = pins_ ? pins_->pinned_bytes() : 0;
     d["pin_failed"] = pins_ ? pins_->failed() : false;
@@ -714,6 +716,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              }
              throw InvalidArgument("unknown decline reason '" + key + "'");
            })
+      // Debug: checksum payloads at publish; readers verify at release (stats mismatches).
+      .def("set_debug_checksum", &TensorArenaWriter::set_debug_checksum, py::arg("on"))
       // Recycles slots every reader released (checking liveness of blockers if asked).
       .def("reclaim", &TensorArenaWriter::reclaim, py::arg("check_liveness") = false)
       // Counters: hits, bytes, declined{...}, cold/warm copies, reclaimed, dead_readers...

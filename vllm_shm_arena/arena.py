@@ -129,6 +129,8 @@ class ShmTensorArena:
             arena_bytes if variable else 0,
             max_allocations,
         )
+        if os.environ.get("VLLM_SHM_ARENA_DEBUG_CHECKSUM") == "1":
+            w.set_debug_checksum(True)
         handle = ArenaHandle(
             w.name,
             n_readers,
@@ -310,7 +312,9 @@ class ShmTensorArena:
         no_free_slot, no_space, unsupported, no_record}, cold/warm copies and bytes,
         reclaimed, dead_readers, aborted, loans/loans_sent/loans_returned, in_use,
         free_bytes/largest_free (variable layout), holdings (per reader: state, slots held,
-        age of the oldest). Reader: held, pinned_bytes, pending_releases, pin statistics."""
+        age of the oldest). Reader: held, pinned_bytes, pending_releases, pin statistics,
+        checksum_mismatches (with VLLM_SHM_ARENA_DEBUG_CHECKSUM=1 on the writer: releases whose
+        slot bytes had changed since the write, e.g. an in-place write by a reader)."""
         if self._writer is not None:
             s = self._writer.stats()
             s["holdings"] = self._writer.holdings()

@@ -203,6 +203,7 @@ class MessageQueue:
         self._log = _RateLimitedLog()
         self._counters = {"messages": 0, "ring_messages": 0, "overflow_messages": 0, "bytes": 0}
         self._last_report = 0.0
+        self._mismatches = 0
 
     def _xpub(self):
         s = self._ctx.socket(zmq.XPUB)
@@ -467,7 +468,15 @@ class MessageQueue:
             now = time.monotonic()
             if now - self._last_report >= 1.0:
                 self._last_report = now
-                metrics.record_reader_stats(self.arena.stats())
+                rs = self.arena.stats()
+                metrics.record_reader_stats(rs)
+                if rs["checksum_mismatches"] > self._mismatches:
+                    self._mismatches = rs["checksum_mismatches"]
+                    logger.warning(
+                        "vllm_shm_arena: %d arena tensor(s) changed between write and release "
+                        "(an in-place write by a reader? other readers saw it too)",
+                        self._mismatches,
+                    )
         deadline = None if timeout is None else time.monotonic() + timeout
         started = time.monotonic()
         warned_at = started

@@ -131,6 +131,20 @@ void validate_header(const ArenaHeader* h, uint64_t region_bytes, const std::str
 
 }  // namespace
 
+uint64_t payload_checksum(const uint8_t* p, uint64_t n) {
+  // Word-at-a-time multiply-xor: several GB/s, enough to notice any changed byte in debug runs.
+  uint64_t h = 0x9E3779B97F4A7C15ull ^ n;
+  uint64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    h = (h ^ w) * 0x100000001B3ull;
+    h ^= h >> 29;
+  }
+  for (; i < n; ++i) h = (h ^ p[i]) * 0x100000001B3ull;
+  return h | 1;
+}
+
 uint64_t arena_region_bytes(const ArenaConfig& cfg) {
   check_config(cfg);
   auto [records, data_bytes] = geometry(cfg);
@@ -421,6 +435,9 @@ void ArenaWriter::publish(const Allocation& a) {
                           ") is not a pending allocation of this writer");
   }
   ArenaHeader* h = header();
+  record_meta(h, a.record)->checksum =
+      debug_checksum_ ? payload_checksum(region_->data() + placement_[a.record].offset, a.nbytes)
+                      : 0;
   // Clear every reader's flag for this record? Not needed: flags hold generations, and
   // generations never repeat, so an old flag can't match `a.generation`.
   // SYNC POINT: release; pairs with the acquire load of published_gen in
@@ -636,6 +653,10 @@ void ArenaReader::release(uint32_t record, uint64_t generation) {
   if (it == holds_.end() || it->second.generation != generation) return;
   if (--it->second.count > 0) return;
   holds_.erase(it);
+  const RecordMeta* m = record_meta(header(), record);
+  if (m->checksum != 0 && payload_checksum(region_->data() + m->offset, m->nbytes) != m->checksum) {
+    mismatches_.fetch_add(1, std::memory_order_relaxed);
+  }
   // SYNC POINT: release; pairs with the writer's acquire load in reader_lets_go(): every
   // read of the slot by this process happens-before the writer recycles it.
   released_gen(header(), rank_, record)->store(generation, std::memory_order_release);

@@ -40,6 +40,9 @@ struct ArenaConfig {
   std::string prefix = "vsa_";                 ///< name prefix, followed by 128 random bits
 };
 
+/// A fast non-cryptographic checksum of a payload, never 0 (debug mode's slot check).
+uint64_t payload_checksum(const uint8_t* p, uint64_t n);
+
 /// Bytes the whole region needs for `cfg` (header, tables and data).
 uint64_t arena_region_bytes(const ArenaConfig& cfg);
 
@@ -122,6 +125,9 @@ class ArenaWriter {
   /// The writer's last view of a loan died: an unsent loan is freed, a sent one is left to
   /// its readers.
   void end_loan(uint32_t record, uint64_t generation);
+  /// Debug mode: checksum every payload at publish so readers can verify it at release
+  /// (catches in-place writes by a reader, which the others would see).
+  void set_debug_checksum(bool on) { debug_checksum_ = on; }
   /// Counts a decline decided above the core (too small, not contiguous, unsupported type).
   void count_decline(DeclineReason why);
   /// Recycles records every reader let go of. With `check_liveness`, readers that block a
@@ -166,6 +172,7 @@ class ArenaWriter {
   std::vector<uint32_t> in_use_;                  // records with gen_ != 0
   std::vector<std::chrono::steady_clock::time_point> last_liveness_check_;
   WriterStats stats_;
+  bool debug_checksum_ = false;
 };
 
 /// One reader rank of an arena. Thread-safe: tensors may be freed on any thread.
@@ -204,6 +211,8 @@ class ArenaReader {
   const std::shared_ptr<ShmRegion>& region() const { return region_; }
   /// Records this reader currently holds (acquired and not yet released).
   size_t held() const;
+  /// Debug mode: releases whose payload no longer matched the writer's checksum.
+  uint64_t checksum_mismatches() const { return mismatches_.load(std::memory_order_relaxed); }
 
  private:
   ArenaReader(std::shared_ptr<ShmRegion> region, uint32_t rank);
@@ -218,6 +227,7 @@ class ArenaReader {
     uint32_t count;
   };
   std::unordered_map<uint32_t, Hold> holds_;
+  std::atomic<uint64_t> mismatches_{0};  // process-local counter, not shared memory
 };
 
 }  // namespace vllm_shm_arena

@@ -100,6 +100,7 @@ struct alignas(kCacheLine) RecordMeta {
   uint64_t capacity;                    // bytes reserved for this allocation
   uint64_t nbytes;                      // payload bytes written
   std::atomic<uint64_t> published_gen;  // 0 = not published
+  uint64_t checksum;  // debug mode: payload_checksum() at publish, 0 = not computed
 };
 static_assert(sizeof(RecordMeta) == kCacheLine,
               "records are a cache line each so the writer's stores don't share lines");

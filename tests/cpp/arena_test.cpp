@@ -747,3 +747,26 @@ TEST_CASE("loans: fill in place, send without a copy, lifetime rules", "[arena][
     CHECK_FALSE(sut->find_loan(local, 16));
   }
 }
+
+TEST_CASE("debug checksums catch a payload changed before release", "[arena]") {
+  auto sut = ArenaWriter::create(small_config(2, 2, 1 << 20));
+  auto r0 = ArenaReader::attach(sut->name(), 0);
+  auto r1 = ArenaReader::attach(sut->name(), 1);
+  sut->unlink();
+  sut->set_debug_checksum(true);
+  std::vector<uint8_t> buf(1 << 20, 9);
+  auto a = sut->write(buf.data(), buf.size());
+  REQUIRE(a);
+  r0->acquire(a->record, a->generation, buf.size());
+  uint8_t* p = const_cast<uint8_t*>(r1->acquire(a->record, a->generation, buf.size()));
+  r0->release(a->record, a->generation);
+  CHECK(r0->checksum_mismatches() == 0);
+  p[12345] ^= 1;  // reader 1 writes in place
+  r1->release(a->record, a->generation);
+  CHECK(r1->checksum_mismatches() == 1);
+  sut->set_debug_checksum(false);
+  auto b = sut->write(buf.data(), buf.size());
+  r1->acquire(b->record, b->generation, buf.size());
+  r1->release(b->record, b->generation);
+  CHECK(r1->checksum_mismatches() == 1);  // off: not checked
+}

@@ -298,3 +298,24 @@ def test_spawned_reader_reads_and_releases(make_arena, rand):
             proc.join(10)
     # The arena keeps working for the next message.
     assert a.writer.write_tensor(t) is not None
+
+
+def test_debug_checksum_counts_in_place_writes(monkeypatch):
+    """VLLM_SHM_ARENA_DEBUG_CHECKSUM=1: a reader's in-place write shows up at release."""
+    monkeypatch.setenv("VLLM_SHM_ARENA_DEBUG_CHECKSUM", "1")
+    w = ShmTensorArena.create(2, num_slots=2, slot_bytes=1 << 20)
+    r0, r1 = ShmTensorArena.attach(w.handle(), 0), ShmTensorArena.attach(w.handle(), 1)
+    try:
+        slot, gen = w._write(torch.zeros(1 << 18, dtype=torch.float32))
+        a = r0.get_tensor(slot, 1 << 20, torch.float32, (1 << 18,), generation=gen)
+        b = r1.get_tensor(slot, 1 << 20, torch.float32, (1 << 18,), generation=gen)
+        b[7] = 1.0  # documented: visible to every reader; debug mode counts it
+        assert float(a[7]) == 1.0
+        del a
+        del b
+        assert r0.stats()["checksum_mismatches"] == 1
+        assert r1.stats()["checksum_mismatches"] == 1
+    finally:
+        w.close()
+        r0.close()
+        r1.close()
