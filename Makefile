@@ -17,7 +17,7 @@ bench-full: bootstrap
 	$(PY) benchmarks/broadcast_ab.py --full
 
 # Every test: lint, the core's Catch2 suite, the Python suite.
-test: bootstrap lint cpp-test py-test
+test: bootstrap lint cpp-test py-test sanitize
 
 lint:
 	$(PY) -m ruff check .

@@ -328,7 +328,9 @@ class MessageQueue:
         self._counters["messages"] += 1
         if self.arena is not None:
             now = time.monotonic()
-            if dumped.diverted or now - self._last_report >= 1.0:
+            # Counters, fallback logs and metrics, at most once a second: stats() walks every
+            # allocation and reader, too much for every message.
+            if now - self._last_report >= 1.0:
                 self._last_report = now
                 self._report_arena()
 
