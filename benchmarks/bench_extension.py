@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+import vllm_shm_arena.pickler as pickler_mod  # noqa: E402
 from vllm_shm_arena import _C, ShmTensorArena, dumps, loads  # noqa: E402
 from vllm_shm_arena.pickler import dump_message  # noqa: E402
 
@@ -210,10 +211,7 @@ def bench_pickler(rounds: int) -> dict:
         times: dict[str, list[int]] = {"oob": [], "arena_c": [], "arena_py": []}
 
         def run(mode, msg=msg):
-            if mode == "arena_py":
-                os.environ[PY_REDUCER_ENV] = "1"
-            else:
-                os.environ.pop(PY_REDUCER_ENV, None)
+            pickler_mod._USE_PY_REDUCER = mode == "arena_py"
             t0 = _ns()
             dumps(msg, None if mode == "oob" else w)
             return _ns() - t0
@@ -223,7 +221,7 @@ def bench_pickler(rounds: int) -> dict:
         for _ in range(rounds):  # interleaved: A, B, C, A, B, C, ...
             for mode in times:
                 times[mode].append(run(mode))
-        os.environ.pop(PY_REDUCER_ENV, None)
+        pickler_mod._USE_PY_REDUCER = False
         p50 = {m: statistics.median(v) / 1e3 for m, v in times.items()}
         out[kind] = {
             "rounds": rounds,

@@ -74,7 +74,8 @@ _PIN_ENABLED = os.environ.get("VLLM_SHM_ARENA_PIN", "1") != "0"
 def _cuda_context() -> bool:
     """Whether this process already has a CUDA context (never creates one). Sticky once true."""
     global _cuda_seen
-    if not _cuda_seen and torch.cuda.is_available() and torch.cuda.is_initialized():
+    # is_initialized() alone: it is cheap and false without CUDA, unlike is_available().
+    if not _cuda_seen and torch.cuda.is_initialized():
         _cuda_seen = True
     return _cuda_seen
 
@@ -96,6 +97,8 @@ class ShmTensorArena:
         self._closed = False
         self._lock = threading.Lock()
         self._reducer_cache: list = []  # idle (C reducer, diverted list) pairs
+        self._pickler_cache: list = []  # idle (pickler, BytesIO, buffers, python-reducer?)
+        self._may_gate = False  # a reader handed out a pinned tensor: releases are gated
 
     # ----------------------------------------------------------------- construction
     @classmethod
@@ -247,6 +250,22 @@ class ShmTensorArena:
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         return w.empty([int(d) for d in shape], dtype)
 
+    def _take_pickler(self, py_reducer: bool):
+        """A pickler of dump_message's to reuse, or None."""
+        with self._lock:
+            while self._pickler_cache:
+                *cached, flag = self._pickler_cache.pop()
+                if flag == py_reducer:
+                    return tuple(cached)
+        return None
+
+    def _give_back_pickler(self, cached, py_reducer: bool) -> None:
+        with self._lock:
+            if len(self._pickler_cache) < 4:
+                self._pickler_cache.append((*cached, py_reducer))
+                return
+        cached[0].release()
+
     def _abort(self, diverted: Sequence[tuple[int, int]]) -> None:
         """Gives back slots whose stubs never left this process (a failed dumps)."""
         w = self._require_writer()
@@ -279,13 +298,16 @@ class ShmTensorArena:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         shape = list(shape)
+        pin = _PIN_ENABLED and _cuda_context()
+        if pin:
+            self._may_gate = True
         return r.get_tensor(
             int(slot_idx),
             int(generation or 0),
             int(nbytes),
             dtype,
             shape,
-            _PIN_ENABLED and _cuda_context(),
+            pin,
             int(offset),
         )
 
@@ -296,6 +318,8 @@ class ShmTensorArena:
         the last call; non-blocking. Returns how many slots went back to the writer.
         """
         r = self._require_reader()
+        if not self._may_gate:
+            return 0  # nothing was ever pinned: every release already happened at free
         handle = 0
         if _cuda_context():
             if stream is None:

@@ -33,6 +33,9 @@ from vllm_shm_arena.arena import (
 )
 
 PROTOCOL = 5
+#: Use the Python reference reducer_override instead of the C callable (for tests and
+#: comparison). VLLM_SHM_ARENA_PY_REDUCER=1 sets it at import; tests set the attribute.
+_USE_PY_REDUCER = os.environ.get("VLLM_SHM_ARENA_PY_REDUCER") == "1"
 
 
 def _rebuild_tensor(buffer, dtype_str: str, shape: tuple) -> torch.Tensor:
@@ -107,9 +110,10 @@ class _ArenaPickler(pickle.Pickler):
     """Out-of-band pickler that also diverts large tensors into a ``ShmTensorArena``.
 
     ``reducer_override`` below is the readable reference. Each instance installs an
-    equivalent C-level callable instead (set ``VLLM_SHM_ARENA_PY_REDUCER=1`` to use the Python
-    one), because pickle calls it for nearly every object of every message: one pointer
-    comparison in C keeps tensor-free messages at full speed.
+    equivalent C-level callable instead (``VLLM_SHM_ARENA_PY_REDUCER=1`` at import, or
+    ``vllm_shm_arena.pickler._USE_PY_REDUCER``, selects the Python one), because pickle calls
+    it for nearly every object of every message: one pointer comparison in C keeps
+    tensor-free messages at full speed.
 
     Slots used during a ``dump`` are listed in ``diverted``; if the dump fails, give them
     back with ``arena._abort(pickler.diverted)`` (``dumps`` does).
@@ -121,7 +125,7 @@ class _ArenaPickler(pickle.Pickler):
         self.arena = arena
         self.min_bytes = min_bytes
         self._cached = None
-        if os.environ.get("VLLM_SHM_ARENA_PY_REDUCER") == "1":
+        if _USE_PY_REDUCER:
             self.diverted: list[tuple[int, int]] = []
         else:
             # An instance attribute shadows the method; pickle looks it up at __init__.
@@ -185,15 +189,28 @@ def dump_message(obj: Any, arena: ShmTensorArena | None = None) -> Dumped:
     if arena is None:
         _OOBPickler(f, buffers.append).dump(obj)
         return Dumped(f.getvalue(), buffers, [])
-    p = _ArenaPickler(f, arena, buffer_callback=buffers.append)
+    # A pickler (with its BytesIO and buffer list) is reused across messages: building one
+    # costs about as much as pickling a small message.
+    cached = arena._take_pickler(_USE_PY_REDUCER)
+    if cached is None:
+        bufs: list = []
+        bio = io.BytesIO()
+        cached = (_ArenaPickler(bio, arena, buffer_callback=bufs.append), bio, bufs)
+    p, bio, bufs = cached
     try:
         p.dump(obj)
-        return Dumped(f.getvalue(), buffers, list(p.diverted))
+        out = Dumped(bio.getvalue(), list(bufs), list(p.diverted))
     except BaseException:
         arena._abort(p.diverted)
+        p.release()  # a pickler that raised mid-dump is not reused
         raise
-    finally:
-        p.release()
+    bio.seek(0)
+    bio.truncate()
+    bufs.clear()
+    p.diverted.clear()
+    p.clear_memo()
+    arena._give_back_pickler(cached, _USE_PY_REDUCER)
+    return out
 
 
 def dumps(obj: Any, arena: ShmTensorArena | None = None) -> tuple[bytes, list]:

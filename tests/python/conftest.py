@@ -5,7 +5,7 @@
 * ``make_arena`` / ``arena``: a small writer arena with attached readers, closed afterwards.
 * ``run_py``: runs a Python snippet in a fresh interpreter -> ``(returncode, stdout, stderr)``.
 * ``reducer``: runs a test once with the C-level reducer and once with the Python reference
-  (``VLLM_SHM_ARENA_PY_REDUCER=1``).
+  (``pickler._USE_PY_REDUCER``, what ``VLLM_SHM_ARENA_PY_REDUCER=1`` sets at import).
 * ``dtype``: any test taking a ``dtype`` argument runs for every dtype a stub can carry.
 """
 
@@ -169,10 +169,9 @@ def arena(make_arena) -> Arena:
 @pytest.fixture(params=["c", "py"], ids=["c_reducer", "py_reducer"])
 def reducer(request, monkeypatch) -> str:
     """Runs the test with each ``_ArenaPickler`` reducer (read at pickler construction)."""
-    if request.param == "py":
-        monkeypatch.setenv("VLLM_SHM_ARENA_PY_REDUCER", "1")
-    else:
-        monkeypatch.delenv("VLLM_SHM_ARENA_PY_REDUCER", raising=False)
+    import vllm_shm_arena.pickler as pickler
+
+    monkeypatch.setattr(pickler, "_USE_PY_REDUCER", request.param == "py")
     return request.param
 
 

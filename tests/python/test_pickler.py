@@ -12,6 +12,7 @@ import pickle
 import pytest
 import torch
 
+import vllm_shm_arena.pickler as pickler_mod
 from vllm_shm_arena import MIN_BYTES, _ArenaPickler, dumps, loads
 
 MiB = 1 << 20
@@ -232,10 +233,7 @@ def test_declines_match_between_reducers(make_arena, rand, monkeypatch):
     """Both reducers count the same declines and hits for the same message sequence."""
     results = {}
     for mode in ("c", "py"):
-        if mode == "py":
-            monkeypatch.setenv("VLLM_SHM_ARENA_PY_REDUCER", "1")
-        else:
-            monkeypatch.delenv("VLLM_SHM_ARENA_PY_REDUCER", raising=False)
+        monkeypatch.setattr(pickler_mod, "_USE_PY_REDUCER", mode == "py")
         a = make_arena(num_slots=1, slot_bytes=4 * MiB)
         keep = []
         msgs = [
