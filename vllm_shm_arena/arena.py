@@ -176,6 +176,14 @@ class ShmTensorArena:
         """Number of slots."""
         return self._handle.num_slots
 
+    @property
+    def layout(self) -> str:
+        """The geometry in words, e.g. "8 x 256 MiB slots" or "2048 MiB variable-size"."""
+        h = self._handle
+        if h.policy == "variable":
+            return f"{h.slot_bytes >> 20} MiB variable-size, <= {h.num_slots} allocations"
+        return f"{h.num_slots} x {h.slot_bytes >> 20} MiB slots"
+
     def handle(self) -> ArenaHandle:
         """A small picklable handle readers attach with."""
         return self._handle
@@ -368,10 +376,7 @@ class ShmTensorArena:
 
     def __repr__(self) -> str:
         role = "writer" if self.is_writer else f"reader{self._reader.rank}"
-        return (
-            f"ShmTensorArena({role}, name={self.name!r}, slots={self.num_slots}x"
-            f"{self.slot_bytes >> 20}MiB)"
-        )
+        return f"ShmTensorArena({role}, name={self.name!r}, {self.layout})"
 
 
 def _lookup(arena_name: str) -> ShmTensorArena:

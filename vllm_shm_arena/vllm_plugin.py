@@ -120,10 +120,9 @@ class ShmArenaMessageQueue(metaclass=_FactoryMeta):
             )
             logger.info(
                 "vllm_shm_arena: broadcast queue to %d local readers uses the C++ shm tensor "
-                "arena (%d x %d MiB slots)",
+                "arena (%s)",
                 n_reader,
-                mq.arena.num_slots if mq.arena is not None else 0,
-                (mq.arena.slot_bytes >> 20) if mq.arena is not None else 0,
+                mq.arena.layout if mq.arena is not None else "none",
             )
             return mq
         if enable_shm_tensor_arena:
