@@ -4,7 +4,7 @@ SHELL := /bin/bash
 CLANG_FORMAT := .venv/bin/clang-format
 CXX_SOURCES = $(shell find csrc tests/cpp tests/fake_cudart benchmarks -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: bootstrap bench bench-full test lint cpp-test py-test stress sanitize tsan asan gpu-check vllm-test format
+.PHONY: bootstrap bench bench-copy bench-full test lint cpp-test py-test stress sanitize tsan asan gpu-check vllm-test format
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -12,6 +12,10 @@ bootstrap:
 # Main job: the broadcast A/B benchmark (in-band pickle vs out-of-band vs arena).
 bench: bootstrap
 	$(PY) benchmarks/broadcast_ab.py
+
+# The core's copy alone (C++, no torch): memcpy vs warm and never-touched arena slots.
+bench-copy: bootstrap
+	./build/cpp/copy_bench | tee benchmarks/results/copy_bench.txt
 
 bench-full: bootstrap
 	$(PY) benchmarks/broadcast_ab.py --full
