@@ -69,6 +69,21 @@ uint64_t checked_nbytes(at::ScalarType dtype, const std::vector<int64_t>& shape)
   return n;
 }
 
+// The config for Python's arguments: `arena_bytes` > 0 selects variable-size packing.
+ArenaConfig arena_config(uint32_t n_readers, uint32_t num_slots, uint64_t slot_bytes,
+                         uint64_t arena_bytes, uint32_t max_allocations) {
+  ArenaConfig cfg;
+  cfg.n_readers = n_readers;
+  cfg.num_slots = num_slots;
+  cfg.slot_bytes = slot_bytes;
+  if (arena_bytes > 0) {
+    cfg.policy = PolicyKind::kVariable;
+    cfg.arena_bytes = arena_bytes;
+    cfg.max_records = max_allocations;
+  }
+  return cfg;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------
@@ -81,15 +96,7 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
   /// live allocations at most); otherwise `num_slots` fixed slots of `slot_bytes`.
   TensorArenaWriter(uint32_t n_readers, uint32_t num_slots, uint64_t slot_bytes,
                     const std::string& dir, uint64_t arena_bytes, uint32_t max_allocations) {
-    ArenaConfig cfg;
-    cfg.n_readers = n_readers;
-    cfg.num_slots = num_slots;
-    cfg.slot_bytes = slot_bytes;
-    if (arena_bytes > 0) {
-      cfg.policy = PolicyKind::kVariable;
-      cfg.arena_bytes = arena_bytes;
-      cfg.max_records = max_allocations;
-    }
+    ArenaConfig cfg = arena_config(n_readers, num_slots, slot_bytes, arena_bytes, max_allocations);
     if (!dir.empty()) cfg.dir = dir;
     writer_ = ArenaWriter::create(cfg);
   }
@@ -811,16 +818,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "arena_region_bytes",
       [](uint32_t n_readers, uint32_t num_slots, uint64_t slot_bytes, uint64_t arena_bytes,
          uint32_t max_allocations) {
-        ArenaConfig cfg;
-        cfg.n_readers = n_readers;
-        cfg.num_slots = num_slots;
-        cfg.slot_bytes = slot_bytes;
-        if (arena_bytes > 0) {
-          cfg.policy = PolicyKind::kVariable;
-          cfg.arena_bytes = arena_bytes;
-          cfg.max_records = max_allocations;
-        }
-        return arena_region_bytes(cfg);
+        return arena_region_bytes(
+            arena_config(n_readers, num_slots, slot_bytes, arena_bytes, max_allocations));
       },
       py::arg("n_readers"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("arena_bytes") = 0,
       py::arg("max_allocations") = 1024);
