@@ -43,6 +43,9 @@ MODE_LABEL = {
     "arena": "shm tensor arena",
     "arena-fixed": "arena, fixed 8x256MiB slots",
     "loan": "arena, loaned tensor",
+    # vLLM's own queue (needs vLLM installed, e.g. `make vllm-test`'s .venv-vllm):
+    "vllm-oob": "vLLM MessageQueue, stock",
+    "vllm-arena": "vLLM MessageQueue, its own arena",
 }
 #: Extra workloads (one message each, several tensors): name -> list of tensor sizes in MB.
 WORKLOADS = {
@@ -56,14 +59,32 @@ def copies_per_message(mode: str, tp: int) -> int:
     """Payload copies on the host per message, by construction of each path (not counting
     the readers' consume copy). in-band: serialize 1 + per reader transport 1 + unpickle 1;
     out-of-band: per reader transport 1 (zero-copy send and rebuild); arena: 1 writer copy."""
-    return {"inband": 1 + 2 * tp, "oob": tp, "arena": 1, "arena-fixed": 1, "loan": 0}[mode]
+    return {
+        "inband": 1 + 2 * tp,
+        "oob": tp,
+        "arena": 1,
+        "arena-fixed": 1,
+        "loan": 0,
+        "vllm-oob": tp,
+        "vllm-arena": 1,
+    }[mode]
+
+
+def _queue_class(handle_or_mode):
+    """Our MessageQueue, or vLLM's for the vllm-* modes (and for vLLM's handles)."""
+    name = handle_or_mode if isinstance(handle_or_mode, str) else type(handle_or_mode).__module__
+    if name.startswith("vllm-") or name.startswith("vllm."):
+        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue as VllmMQ
+
+        return VllmMQ
+    return MessageQueue
 
 
 def _reader_main(handle, rank, conn, consume_bytes, consume="cpu"):
     torch.set_num_threads(1)
     if consume == "cuda":
         torch.zeros(1, device="cuda")  # a context before the first tensor: the arena pins
-    mq = MessageQueue.create_from_handle(handle, rank)
+    mq = _queue_class(handle).create_from_handle(handle, rank)
     mq.wait_until_ready()
     dst = torch.zeros(consume_bytes, dtype=torch.uint8, device=consume)  # pre-touched
     while True:
@@ -82,8 +103,8 @@ def _reader_main(handle, rank, conn, consume_bytes, consume="cpu"):
             torch.cuda.current_stream().synchronize()
         t_cons = time.perf_counter()
         del msg, ts, t, flat
-        conn.send((t_recv, t_cons, mq.last_dequeue_s, ok))
-    conn.send(mq.stats())
+        conn.send((t_recv, t_cons, getattr(mq, "last_dequeue_s", 0.0), ok))
+    conn.send(mq.stats() if hasattr(mq, "stats") else {})
     mq.shutdown()
 
 
@@ -123,6 +144,14 @@ def _make_tensor(size_mb: int, seed: int) -> torch.Tensor:
 
 
 def _queue(mode: str, tp: int) -> MessageQueue:
+    if mode.startswith("vllm-"):
+        return _queue_class(mode)(
+            tp,
+            tp,
+            max_chunk_bytes=16 << 20,
+            max_chunks=10,
+            enable_shm_tensor_arena=mode == "vllm-arena",
+        )
     arena = mode in ("arena", "arena-fixed", "loan")
     message_queue._ARENA_POLICY = "fixed" if mode == "arena-fixed" else "variable"
     mq = MessageQueue(
@@ -156,7 +185,7 @@ def run_cell(mode, tp, size_mb, n_msgs, warmup, seed, bar=None, consume="cpu", s
         before = {}
         for i in range(warmup + n_msgs):
             if i == warmup:
-                before = mq.stats().get("arena", {})
+                before = mq.stats().get("arena", {}) if hasattr(mq, "stats") else {}
             ts = _lend(mq, sources) if mode == "loan" else sources
             msg = {"pixel_values": ts, "step": i, "check": check}
             t0 = time.perf_counter()
@@ -177,7 +206,7 @@ def run_cell(mode, tp, size_mb, n_msgs, warmup, seed, bar=None, consume="cpu", s
                 )
             if bar is not None:
                 bar.update(1)
-        writer_stats = mq.stats()
+        writer_stats = mq.stats() if hasattr(mq, "stats") else {"overflow_messages": -1}
     finally:
         reader_stats = _stop_readers(mq, conns, procs)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
