@@ -376,25 +376,35 @@ def boom_reader(handle, rank, seed, rounds, q):
         q.put(("error", f"{type(e).__name__}: {e}"))
 
 
+def dequeue_in_thread(r):
+    """Starts ``r.dequeue()`` (no timeout) in a daemon thread -> (thread, out); when the call
+    ends, ``out["result"]`` is "returned" or the exception it raised."""
+    out = {}
+
+    def run():
+        try:
+            r.dequeue()
+            out["result"] = "returned"
+        except BaseException as e:
+            out["result"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, out
+
+
 def blocked_reader(handle, rank, q):
     """Blocks in dequeue() (no timeout) in a thread; reports how the call ended."""
     try:
         r = _reader_setup(handle, rank)
-        out = {}
-
-        def run():
-            try:
-                r.dequeue()
-                out["result"] = "returned"
-            except BaseException as e:
-                out["result"] = type(e).__name__
-                out["msg"] = str(e)
-
-        th = threading.Thread(target=run, daemon=True)
-        th.start()
+        th, out = dequeue_in_thread(r)
         q.put({"phase": "blocked"})
         th.join(60)
-        q.put({"phase": "woke", "alive": th.is_alive(), **out})
+        res = out.get("result")
+        ended = {} if res is None else {"result": "returned"}
+        if isinstance(res, BaseException):
+            ended = {"result": type(res).__name__, "msg": str(res)}
+        q.put({"phase": "woke", "alive": th.is_alive(), **ended})
     except BaseException as e:
         q.put({"phase": "error", "result": f"{type(e).__name__}: {e}"})
 
