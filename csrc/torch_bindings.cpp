@@ -4,6 +4,7 @@
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstring>
@@ -18,6 +19,7 @@
 #include "core/copy_pool.h"
 #include "core/cuda_shim.h"
 #include "core/errors.h"
+#include "core/liveness.h"
 #include "core/pin_registry.h"
 #include "core/release_gate.h"
 #include "core/ring.h"
@@ -168,6 +170,7 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
     d["warm_bytes"] = s.warm_bytes;
     d["reclaimed"] = s.reclaimed;
     d["dead_readers"] = s.dead_readers;
+    d["liveness_unknown"] = s.liveness_unknown;
     d["aborted"] = s.aborted;
     d["loans"] = s.loans;
     d["loans_sent"] = s.loans_sent;
@@ -208,6 +211,50 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
 // ---------------------------------------------------------------------------------------
 // Reader side
 
+/// What a dropped reader leaves behind while pinned tensors it handed out may still be read by
+/// a DMA: the rank stays attached and the memory mapped and registered until every gated
+/// release's event has completed (or, for tokens freed after the last flush, which have no
+/// event to wait on, until the process exits). Never destroyed at exit: unregistering memory
+/// while CUDA unloads would crash.
+struct Lingering {
+  std::shared_ptr<ArenaReader> reader;
+  std::unique_ptr<PinRegistry> pins;
+  std::shared_ptr<ReleaseGate> gate;
+};
+std::mutex& lingering_mutex() {
+  static auto* mu = new std::mutex();
+  return *mu;
+}
+std::vector<Lingering>& lingering() {
+  static auto* list = new std::vector<Lingering>();
+  return *list;
+}
+
+/// Releases what lingering readers may release now: tokens whose recorded event completed.
+/// Tokens without an event are never released here. Finished entries are destroyed.
+void poll_lingering() {
+  std::vector<Lingering> done;
+  {
+    std::lock_guard<std::mutex> lock(lingering_mutex());
+    auto& list = lingering();
+    for (size_t i = 0; i < list.size();) {
+      Lingering& l = list[i];
+      auto reader = l.reader;
+      l.gate->poll([reader](uint64_t token) {
+        reader->release(static_cast<uint32_t>(token & ((1u << 20) - 1)), token >> 20);
+      });
+      if (l.gate->pending() == 0) {
+        done.push_back(std::move(l));
+        list[i] = std::move(list.back());
+        list.pop_back();
+      } else {
+        ++i;
+      }
+    }
+  }
+  for (Lingering& l : done) l.pins.reset();  // unregister before the reader unmaps
+}
+
 /// One reader rank: builds zero-copy tensors over slots and releases them when the last
 /// view dies (after the DMA that reads them, when the memory is pinned).
 class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader> {
@@ -218,8 +265,21 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
         pin_chunk_bytes_(pin_chunk_bytes) {}
 
   ~TensorArenaReader() {
-    // Unregister before the mapping (owned by reader_) can go away.
     std::lock_guard<std::mutex> lock(mu_);
+    if (::getpid() != owner_pid_) {
+      // A forked child: CUDA objects of the parent's must not be touched (no unregister, no
+      // event destroy), and the core reader already ignores the child. Leak them.
+      pins_.release();
+      if (gate_) new std::shared_ptr<ReleaseGate>(std::move(gate_));
+      return;
+    }
+    if (gate_ && gate_->pending() > 0) {
+      // Pinned tensors were freed but their DMA may not be over: keep everything alive.
+      std::lock_guard<std::mutex> l(lingering_mutex());
+      lingering().push_back(Lingering{reader_, std::move(pins_), gate_});
+      return;
+    }
+    // Unregister before the mapping (owned by reader_) can go away.
     pins_.reset();
   }
 
@@ -249,10 +309,17 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
     if (generation == 0) generation = reader_->published_generation(slot);
     const uint8_t* p = reader_->acquire(slot, generation, nbytes, offset);
     bool gated = false;
-    if (cuda_context && nbytes > 0) gated = pin(p, nbytes);
+    try {
+      if (cuda_context && nbytes > 0) gated = pin(p, nbytes);
+    } catch (...) {
+      reader_->release(slot, generation);  // the hold must not outlive a failed pin
+      throw;
+    }
     auto self = shared_from_this();
     uint64_t token = (generation << 20) | slot;
-    auto deleter = [self, slot, generation, token, gated](void*) {
+    pid_t owner = owner_pid_;
+    auto deleter = [self, slot, generation, token, gated, owner](void*) {
+      if (::getpid() != owner) return;  // a forked child's copy: the hold is its parent's
       if (gated) {
         self->gate_->freed(token);
       } else {
@@ -270,6 +337,8 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
 
   /// Releases slots whose tensors died and whose DMA (if pinned) has completed.
   size_t flush_releases(uintptr_t stream) {
+    if (::getpid() != owner_pid_) return 0;  // never CUDA for a parent's holds
+    poll_lingering();
     std::shared_ptr<ReleaseGate> gate;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -292,7 +361,8 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
     d["checksum_mismatches"] = reader_->checksum_mismatches();
     std::lock_guard<std::mutex> lock(mu_);
     d["pinned_bytes"] = pins_ ? pins_->pinned_bytes() : 0;
-    d["pin_failed"] = pins_ ? pins_->failed() : false;
+    d["pin_failed"] = (pins_ ? pins_->failed() : false) || pin_no_space_;
+    d["pin_no_space"] = pin_no_space_;
     d["pin_registrations"] = pins_ ? pins_->stats().registrations : 0;
     d["pin_seconds"] = pins_ ? pins_->stats().register_seconds : 0.0;
     d["pending_releases"] = gate_ ? gate_->pending() : 0;
@@ -308,6 +378,14 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
   uint32_t rank() const { return reader_->rank(); }
   uint32_t num_slots() const { return reader_->max_records(); }
   uint64_t slot_bytes() const { return reader_->max_allocation(); }
+  /// The arena's handle geometry as this reader validated it: (n_readers, num_slots,
+  /// slot_bytes, policy).
+  py::tuple geometry() const {
+    const ArenaGeometry& g = reader_->geometry();
+    return py::make_tuple(g.n_readers, g.max_records, reader_->max_allocation(),
+                          g.policy == PolicyKind::kVariable ? "variable" : "fixed");
+  }
+  std::string writer_liveness() const { return liveness_name(reader_->writer_liveness()); }
   void detach() { reader_->detach(); }
 
  private:
@@ -325,6 +403,20 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
       // Pin only the data region (2 MiB aligned, running to the end of the region).
       uint64_t data_off = reader_->data_offset();
       uint64_t data_bytes = reader_->data_bytes();
+      // cudaHostRegister faults in every page of the range; on a tmpfs too full to back
+      // them that is a SIGBUS. Back them first (the writer reserves lazily, block by block):
+      // if the filesystem cannot, stay unpinned, which only makes the H2D pageable.
+      bool backed = false;
+      try {
+        backed = region->reserve(data_off, data_bytes);
+      } catch (const ShmError&) {
+        backed = false;
+      }
+      if (!backed) {
+        pin_disabled_ = true;
+        pin_no_space_ = true;
+        return false;
+      }
       // One cudaMemcpyAsync cannot cross the boundary between two registrations (the
       // driver answers cudaErrorInvalidValue; benchmarks/results/gpu_probe_h200.txt), so a
       // chunk must hold whole allocations: by default the whole data region is one chunk
@@ -344,8 +436,10 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
 
   std::shared_ptr<ArenaReader> reader_;
   uint64_t pin_chunk_bytes_;
+  pid_t owner_pid_ = ::getpid();
   mutable std::mutex mu_;
   bool pin_disabled_ = false;
+  bool pin_no_space_ = false;  // the data region could not be backed for pinning
   std::shared_ptr<ReleaseGate> gate_;
   std::unique_ptr<PinRegistry> pins_;  // declared after reader_: destroyed (unregistered) first
 };
@@ -376,14 +470,34 @@ class MessageRingWriter {
     cfg.max_chunks = max_chunks;
     cfg.max_chunk_bytes = max_chunk_bytes;
     size_t bytes = ring_bytes(cfg);
-    region_ = ShmRegion::create(bytes, "vsa_ring_", dir.empty() ? ShmRegion::default_dir() : dir);
-    ring_init(region_->data(), region_->size(), cfg);
-    writer_ = std::make_unique<RingWriter>(region_->data(), region_->size());
+    size_t tables = ring_metadata_bytes(cfg);
+    std::unique_ptr<LivenessToken> token;
+    auto init = [&](ShmRegion& r) {
+      // The writer's token before the ring has a name; every table page backed before
+      // ring_init stores into it (a full /dev/shm must fail here, not SIGBUS later).
+      token = LivenessToken::take(r.path(), kWriterTokenByte, r.fd());
+      if (!r.reserve(0, tables)) {
+        throw ShmError("not enough shared memory in " + r.dir() + " for the message ring's " +
+                       std::to_string(tables >> 10) +
+                       " KiB of tables (the filesystem is full); free some space or enlarge it "
+                       "(Docker: --shm-size; bare metal: mount -o remount,size=<N>G " +
+                       r.dir() + ")");
+      }
+      ring_init(r.data(), r.size(), cfg);
+    };
+    region_ =
+        ShmRegion::create(bytes, "vsa_ring_", dir.empty() ? ShmRegion::default_dir() : dir, init);
+    writer_ =
+        std::make_unique<RingWriter>(region_->data(), region_->size(),
+                                     TokenFile{region_->path(), region_->fd()}, std::move(token));
     reserved_.assign(max_chunks, 0);
   }
 
-  /// The writer owns the ring's name; remove it if nobody did yet.
-  ~MessageRingWriter() { region_->unlink(); }
+  /// The writer owns the ring's name; remove it if nobody did yet (never from a forked child:
+  /// the name is its parent's).
+  ~MessageRingWriter() {
+    if (::getpid() == owner_pid_) region_->unlink();
+  }
 
   /// Bytes of a message with these frame sizes once packed into a chunk.
   static uint64_t packed_bytes(const std::vector<uint64_t>& sizes) {
@@ -396,6 +510,7 @@ class MessageRingWriter {
   /// "no_space" (the shm filesystem could not back the chunk: an overflow marker was
   /// published instead, and the caller must send the message over the socket).
   std::string write(const py::list& frames, uint32_t flags, double timeout_s) {
+    require_owner("write");
     std::vector<py::buffer_info> infos;
     std::vector<std::pair<const uint8_t*, uint64_t>> spans;
     for (auto f : frames) {
@@ -442,14 +557,22 @@ class MessageRingWriter {
 
   /// Publishes an empty marker chunk (the message itself travels over the socket).
   bool write_marker(uint32_t flags, double timeout_s) {
+    require_owner("write_marker");
     py::gil_scoped_release nogil;
     if (writer_->acquire(timeout_ns(timeout_s)) == nullptr) return false;
     writer_->publish(0, flags);
     return true;
   }
 
-  void shutdown() { writer_->shutdown(); }
-  void unlink() { region_->unlink(); }
+  void shutdown() {
+    require_owner("shutdown");
+    writer_->shutdown();
+  }
+  void unlink() {
+    if (::getpid() == owner_pid_) region_->unlink();
+  }
+  /// Liveness probes of lagging readers the kernel did not answer.
+  uint64_t liveness_unknown() const { return writer_->liveness_unknown(); }
   std::string name() const { return region_->name(); }
   std::string dir() const { return region_->dir(); }
   uint32_t dropped_readers() const { return writer_->dropped_readers(); }
@@ -463,6 +586,14 @@ class MessageRingWriter {
     if (s < 0) return -1;
     return static_cast<int64_t>(s * kNsPerSec);
   }
+  void require_owner(const char* what) const {
+    if (::getpid() != owner_pid_) {
+      throw InvalidArgument(std::string("RingWriter.") + what +
+                            ": this ring writer belongs to pid " + std::to_string(owner_pid_) +
+                            "; a forked child cannot use its parent's queue");
+    }
+  }
+  pid_t owner_pid_ = ::getpid();
   std::shared_ptr<ShmRegion> region_;
   std::unique_ptr<RingWriter> writer_;
   std::vector<uint64_t> reserved_;  // bytes of each chunk already backed by fallocate
@@ -475,11 +606,13 @@ class MessageRingReader {
   MessageRingReader(const std::string& name, uint32_t rank, const std::string& dir) {
     region_ = ShmRegion::attach(name, dir.empty() ? ShmRegion::default_dir() : dir, 64);
     ring_validate(region_->data(), region_->size());
-    reader_ = std::make_unique<RingReader>(region_->data(), region_->size(), rank);
+    reader_ = std::make_unique<RingReader>(region_->data(), region_->size(), rank,
+                                           TokenFile{region_->path(), region_->fd()});
   }
 
   /// Waits up to `timeout_s` (< 0: forever) for the next message ->
-  /// ("ok", flags, [bytearray...]) / ("timeout", 0, None) / ("shutdown", 0, None).
+  /// ("ok", flags, [bytearray...]) / ("timeout", 0, None) / ("shutdown", 0, None) /
+  /// ("writer_dead", 0, None) once the writer's process is gone and its messages were read.
   py::tuple read(double timeout_s) {
     const uint8_t* data = nullptr;
     uint64_t nbytes = 0;
@@ -492,6 +625,9 @@ class MessageRingReader {
     }
     if (st == RingReader::Status::kTimeout) return py::make_tuple("timeout", 0, py::none());
     if (st == RingReader::Status::kShutdown) return py::make_tuple("shutdown", 0, py::none());
+    if (st == RingReader::Status::kWriterDead) {
+      return py::make_tuple("writer_dead", 0, py::none());
+    }
     py::list frames;
     try {
       if (nbytes > 0) {
@@ -530,6 +666,8 @@ class MessageRingReader {
 
   uint32_t rank() const { return reader_->rank(); }
   uint64_t consumed() const { return reader_->consumed(); }
+  /// "alive", "dead" or "unknown": the ring writer's liveness token.
+  std::string writer_liveness() const { return liveness_name(reader_->writer_liveness()); }
 
  private:
   std::shared_ptr<ShmRegion> region_;
@@ -759,6 +897,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("is_pinned", &TensorArenaReader::is_pinned)
       // Stops the writer waiting for this rank (also done when the object dies).
       .def("detach", &TensorArenaReader::detach)
+      // (n_readers, num_slots, slot_bytes, policy) from the validated header.
+      .def("geometry", &TensorArenaReader::geometry)
+      // "alive" | "dead" | "unknown": the arena writer's liveness token.
+      .def("writer_liveness", &TensorArenaReader::writer_liveness)
       .def_property_readonly("name", &TensorArenaReader::name)
       .def_property_readonly("rank", &TensorArenaReader::rank)
       .def_property_readonly("num_slots", &TensorArenaReader::num_slots)
@@ -779,6 +921,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("shutdown", &MessageRingWriter::shutdown)
       .def("unlink", &MessageRingWriter::unlink)
       .def("dropped_readers", &MessageRingWriter::dropped_readers)
+      // Liveness probes of lagging readers the kernel did not answer (kept as alive).
+      .def("liveness_unknown", &MessageRingWriter::liveness_unknown)
       .def("published", &MessageRingWriter::published)
       .def_property_readonly("name", &MessageRingWriter::name)
       .def_property_readonly("dir", &MessageRingWriter::dir);
@@ -792,6 +936,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // Next message -> (status, flags, frames as bytearrays), chunk released at once.
       .def("read", &MessageRingReader::read, py::arg("timeout_s"))
       .def("consumed", &MessageRingReader::consumed)
+      // "alive" | "dead" | "unknown": the ring writer's liveness token.
+      .def("writer_liveness", &MessageRingReader::writer_liveness)
       .def_property_readonly("rank", &MessageRingReader::rank);
 
   // Zero-copy tensor over a Python buffer (a received ZeroMQ frame); keeps the buffer alive.

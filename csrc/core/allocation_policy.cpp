@@ -38,10 +38,14 @@ void FixedSlotPolicy::free(const Placement& p) {
   free_stack_.push_back(p.record);
 }
 
-void FixedSlotPolicy::mark_used(const Placement& p) {
-  if (p.record >= in_stack_.size() || !in_stack_[p.record]) return;
+bool FixedSlotPolicy::mark_used(const Placement& p) {
+  if (p.record >= in_stack_.size() || !in_stack_[p.record]) return false;
+  if (p.offset != data_offset_ + uint64_t{p.record} * slot_bytes_ || p.capacity != slot_bytes_) {
+    return false;
+  }
   in_stack_[p.record] = false;
   free_stack_.erase(std::find(free_stack_.begin(), free_stack_.end(), p.record));
+  return true;
 }
 
 }  // namespace vllm_shm_arena
@@ -127,19 +131,24 @@ void VariablePolicy::free(const Placement& p) {
   insert_extent(p.offset, p.capacity);
 }
 
-void VariablePolicy::mark_used(const Placement& p) {
-  if (p.record >= record_free_.size() || !record_free_[p.record]) return;
-  record_free_[p.record] = false;
-  free_records_.erase(std::find(free_records_.begin(), free_records_.end(), p.record));
+bool VariablePolicy::mark_used(const Placement& p) {
+  if (p.record >= record_free_.size() || !record_free_[p.record]) return false;
+  if (p.capacity == 0 || p.offset < data_offset_ || p.offset - data_offset_ > data_bytes_ ||
+      p.capacity > data_bytes_ - (p.offset - data_offset_)) {
+    return false;
+  }
   // Carve [offset, offset+capacity) out of the free extent holding it.
   auto it = by_offset_.upper_bound(p.offset);
-  if (it == by_offset_.begin()) return;
+  if (it == by_offset_.begin()) return false;
   --it;
   uint64_t off = it->first, len = it->second;
-  if (p.offset + p.capacity > off + len) return;  // not free: inconsistent metadata, skip
+  if (p.offset + p.capacity > off + len) return false;  // not free: inconsistent metadata
+  record_free_[p.record] = false;
+  free_records_.erase(std::find(free_records_.begin(), free_records_.end(), p.record));
   erase_extent(it);
   insert_extent(off, p.offset - off);
   insert_extent(p.offset + p.capacity, off + len - (p.offset + p.capacity));
+  return true;
 }
 
 }  // namespace vllm_shm_arena

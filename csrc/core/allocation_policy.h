@@ -47,7 +47,9 @@ class AllocationPolicy {
   /// The largest allocation place() can ever satisfy.
   virtual uint64_t max_allocation() const = 0;
   /// Marks a record as in use (a writer taking over an arena rebuilds its state this way).
-  virtual void mark_used(const Placement& p) = 0;
+  /// False, and nothing changed, if `p` is not a free placement of this policy (the
+  /// metadata it came from is inconsistent).
+  virtual bool mark_used(const Placement& p) = 0;
 };
 
 /// N equal slots; record i is slot i. Free slots are reused most-recently-freed first, so the
@@ -60,7 +62,7 @@ class FixedSlotPolicy : public AllocationPolicy {
   std::optional<Placement> place(uint64_t nbytes, DeclineReason* why) override;
   void free(const Placement& p) override;
   uint64_t max_allocation() const override { return slot_bytes_; }
-  void mark_used(const Placement& p) override;
+  bool mark_used(const Placement& p) override;
 
  private:
   uint64_t slot_bytes_;
@@ -86,7 +88,7 @@ class VariablePolicy : public AllocationPolicy {
   std::optional<Placement> place(uint64_t nbytes, DeclineReason* why) override;
   void free(const Placement& p) override;
   uint64_t max_allocation() const override { return data_bytes_; }
-  void mark_used(const Placement& p) override;
+  bool mark_used(const Placement& p) override;
   /// Bytes currently free, and the largest single extent (fragmentation = 1 - largest/free).
   uint64_t free_bytes() const { return free_bytes_; }
   uint64_t largest_free_extent() const;

@@ -5,9 +5,10 @@
 #include <new>
 #include <string>
 
+#include <unistd.h>
+
 #include "core/copy_pool.h"
 #include "core/errors.h"
-#include "core/process_identity.h"
 
 namespace vllm_shm_arena {
 
@@ -33,18 +34,40 @@ Offsets layout_for(uint32_t n_readers, uint32_t max_records, uint64_t data_bytes
   return o;
 }
 
-ReaderEntry* reader_entry(ArenaHeader* h, uint32_t rank) {
-  return reinterpret_cast<ReaderEntry*>(reinterpret_cast<uint8_t*>(h) + h->readers_offset) + rank;
+// Table addresses from the private, validated geometry: `rank` < n_readers and `record` <
+// max_records (checked by every caller) keep them inside the mapping.
+ReaderEntry* reader_entry(uint8_t* base, const ArenaGeometry& g, uint32_t rank) {
+  return reinterpret_cast<ReaderEntry*>(base + g.readers_offset) + rank;
 }
-RecordMeta* record_meta(ArenaHeader* h, uint32_t record) {
-  return reinterpret_cast<RecordMeta*>(reinterpret_cast<uint8_t*>(h) + h->records_offset) + record;
+RecordMeta* record_meta(uint8_t* base, const ArenaGeometry& g, uint32_t record) {
+  return reinterpret_cast<RecordMeta*>(base + g.records_offset) + record;
 }
-std::atomic<uint64_t>* released_gen(ArenaHeader* h, uint32_t rank, uint32_t record) {
-  return reinterpret_cast<std::atomic<uint64_t>*>(reinterpret_cast<uint8_t*>(h) +
-                                                  h->releases_offset +
-                                                  uint64_t{rank} * h->releases_stride) +
+std::atomic<uint64_t>* released_gen(uint8_t* base, const ArenaGeometry& g, uint32_t rank,
+                                    uint32_t record) {
+  return reinterpret_cast<std::atomic<uint64_t>*>(base + g.releases_offset +
+                                                  uint64_t{rank} * g.releases_stride) +
          record;
 }
+
+// One record's metadata, read once from shared memory and checked against the geometry:
+// [offset, offset + capacity) lies in the data region and nbytes <= capacity. Overflow-safe:
+// no sum is formed before its parts are bounded.
+struct RecordCopy {
+  uint64_t offset, capacity, nbytes, checksum;
+};
+bool read_record(const uint8_t* base, const ArenaGeometry& g, uint32_t record, RecordCopy* out) {
+  const RecordMeta* m = reinterpret_cast<const RecordMeta*>(base + g.records_offset) + record;
+  RecordCopy c{m->offset, m->capacity, m->nbytes, m->checksum};
+  const uint64_t data_end = g.data_offset + g.data_bytes;  // == region_bytes (validated)
+  if (c.offset < g.data_offset || c.offset > data_end || c.capacity > data_end - c.offset ||
+      c.nbytes > c.capacity) {
+    return false;
+  }
+  *out = c;
+  return true;
+}
+
+pid_t this_pid() { return ::getpid(); }
 
 void check_config(const ArenaConfig& cfg) {
   if (cfg.n_readers == 0 || cfg.n_readers > kMaxReaders) {
@@ -76,7 +99,7 @@ void check_config(const ArenaConfig& cfg) {
 }
 
 // Records and data bytes of a configuration.
-std::pair<uint32_t, uint64_t> geometry(const ArenaConfig& cfg) {
+std::pair<uint32_t, uint64_t> records_and_data_bytes(const ArenaConfig& cfg) {
   if (cfg.policy == PolicyKind::kVariable) {
     return {cfg.max_records, align_up(cfg.arena_bytes, kAllocAlign)};
   }
@@ -84,49 +107,74 @@ std::pair<uint32_t, uint64_t> geometry(const ArenaConfig& cfg) {
   return {cfg.num_slots, slot * cfg.num_slots};
 }
 
-std::unique_ptr<AllocationPolicy> policy_for(const ArenaHeader* h) {
-  if (h->policy == static_cast<uint32_t>(PolicyKind::kVariable)) {
-    return std::make_unique<VariablePolicy>(h->max_records, h->data_offset, h->data_bytes);
-  }
-  return std::make_unique<FixedSlotPolicy>(h->max_records, h->slot_bytes, h->data_offset);
-}
-
-// Validates a header read from a segment someone else wrote. Every offset is checked
-// against the region size before anything is dereferenced through it.
-void validate_header(const ArenaHeader* h, uint64_t region_bytes, const std::string& name) {
+// Validates a header read from a segment someone else wrote and returns its geometry, read
+// once. Every offset is checked against the real mapping size, with overflow-checked
+// arithmetic, before anything is dereferenced through it.
+ArenaGeometry validate_header(const ArenaHeader* h, uint64_t region_bytes,
+                              const std::string& name) {
   auto bad = [&](const std::string& why) {
     return InvalidArgument("shared memory '" + name + "' is not a usable tensor arena: " + why);
   };
-  if (h->magic != kArenaMagic) throw bad("wrong magic number (a foreign or garbage segment)");
-  if (h->layout_version != kArenaLayoutVersion) {
-    throw bad("layout version " + std::to_string(h->layout_version) + ", this build reads " +
+  // One plain copy of every field: later checks can't see a value changed under them.
+  ArenaGeometry g;
+  const uint64_t magic = h->magic;
+  const uint32_t version = h->layout_version;
+  const uint32_t policy = h->policy;
+  g.region_bytes = h->region_bytes;
+  g.n_readers = h->n_readers;
+  g.max_records = h->max_records;
+  g.readers_offset = h->readers_offset;
+  g.records_offset = h->records_offset;
+  g.releases_offset = h->releases_offset;
+  g.releases_stride = h->releases_stride;
+  g.data_offset = h->data_offset;
+  g.data_bytes = h->data_bytes;
+  g.slot_bytes = h->slot_bytes;
+  if (magic != kArenaMagic) throw bad("wrong magic number (a foreign or garbage segment)");
+  if (version != kArenaLayoutVersion) {
+    throw bad("layout version " + std::to_string(version) + ", this build reads " +
               std::to_string(kArenaLayoutVersion) + " (mixed package versions?)");
   }
-  if (h->region_bytes != region_bytes) {
-    throw bad("header says " + std::to_string(h->region_bytes) + " bytes but the segment has " +
+  if (g.region_bytes != region_bytes) {
+    throw bad("header says " + std::to_string(g.region_bytes) + " bytes but the segment has " +
               std::to_string(region_bytes) + " (truncated?)");
   }
-  if (h->n_readers == 0 || h->n_readers > kMaxReaders || h->max_records == 0 ||
-      h->max_records > kMaxRecords) {
+  if (g.n_readers == 0 || g.n_readers > kMaxReaders || g.max_records == 0 ||
+      g.max_records > kMaxRecords) {
     throw bad("reader or record count out of range");
   }
-  Offsets o = layout_for(h->n_readers, h->max_records, h->data_bytes);
-  if (h->readers_offset != o.readers || h->records_offset != o.records ||
-      h->releases_offset != o.releases || h->releases_stride != o.releases_stride ||
-      h->data_offset != o.data || o.total != region_bytes) {
+  if (g.data_bytes == 0 || g.data_bytes > region_bytes) {
+    throw bad("data region size out of range");
+  }
+  // n_readers and max_records are bounded above, so the table sizes cannot overflow.
+  Offsets o = layout_for(g.n_readers, g.max_records, g.data_bytes);
+  if (g.readers_offset != o.readers || g.records_offset != o.records ||
+      g.releases_offset != o.releases || g.releases_stride != o.releases_stride ||
+      g.data_offset != o.data || o.data > region_bytes || g.data_bytes != region_bytes - o.data) {
     throw bad("table offsets do not match the sizes in the header");
   }
-  if (h->policy == static_cast<uint32_t>(PolicyKind::kFixedSlots)) {
-    if (h->slot_bytes == 0 || h->slot_bytes * h->max_records != h->data_bytes) {
+  if (policy == static_cast<uint32_t>(PolicyKind::kFixedSlots)) {
+    g.policy = PolicyKind::kFixedSlots;
+    if (g.slot_bytes == 0 || g.slot_bytes > g.data_bytes / g.max_records ||
+        g.slot_bytes * g.max_records != g.data_bytes) {
       throw bad("slot size does not match the data region");
     }
-  } else if (h->policy == static_cast<uint32_t>(PolicyKind::kVariable)) {
-    if (h->slot_bytes != 0 || h->data_bytes == 0 || h->data_bytes % kAllocAlign != 0) {
+  } else if (policy == static_cast<uint32_t>(PolicyKind::kVariable)) {
+    g.policy = PolicyKind::kVariable;
+    if (g.slot_bytes != 0 || g.data_bytes % kAllocAlign != 0) {
       throw bad("variable-size data region is malformed");
     }
   } else {
-    throw bad("unknown allocation policy " + std::to_string(h->policy));
+    throw bad("unknown allocation policy " + std::to_string(policy));
   }
+  return g;
+}
+
+std::unique_ptr<AllocationPolicy> policy_for(const ArenaGeometry& g) {
+  if (g.policy == PolicyKind::kVariable) {
+    return std::make_unique<VariablePolicy>(g.max_records, g.data_offset, g.data_bytes);
+  }
+  return std::make_unique<FixedSlotPolicy>(g.max_records, g.slot_bytes, g.data_offset);
 }
 
 }  // namespace
@@ -147,86 +195,117 @@ uint64_t payload_checksum(const uint8_t* p, uint64_t n) {
 
 uint64_t arena_region_bytes(const ArenaConfig& cfg) {
   check_config(cfg);
-  auto [records, data_bytes] = geometry(cfg);
+  auto [records, data_bytes] = records_and_data_bytes(cfg);
   return layout_for(cfg.n_readers, records, data_bytes).total;
 }
 
 // ---------------------------------------------------------------------------------------
 // Writer
 
-ArenaWriter::ArenaWriter(std::shared_ptr<ShmRegion> region,
-                         std::unique_ptr<AllocationPolicy> policy)
-    : region_(std::move(region)), policy_(std::move(policy)) {
-  uint32_t n = header()->max_records;
+ArenaWriter::ArenaWriter(std::shared_ptr<ShmRegion> region, const ArenaGeometry& geo,
+                         std::unique_ptr<LivenessToken> token)
+    : region_(std::move(region)),
+      geo_(geo),
+      policy_(policy_for(geo)),
+      token_(std::move(token)),
+      owner_pid_(this_pid()) {
+  uint32_t n = geo_.max_records;
   placement_.resize(n);
   live_.resize(n);
   gen_.assign(n, 0);
   published_.assign(n, false);
   published_at_.resize(n);
   loan_hold_.assign(n, false);
-  reserved_.assign((header()->data_bytes + kDataAlign - 1) / kDataAlign, false);
-  last_liveness_check_.resize(header()->n_readers);
+  reserved_.assign((geo_.data_bytes + kDataAlign - 1) / kDataAlign, false);
+  last_liveness_check_.resize(geo_.n_readers);
+}
+
+bool ArenaWriter::foreign() const { return this_pid() != owner_pid_; }
+
+void ArenaWriter::require_owner(const char* what) const {
+  if (foreign()) {
+    throw InvalidArgument(std::string(what) + ": this arena writer belongs to pid " +
+                          std::to_string(owner_pid_) + "; a forked child (pid " +
+                          std::to_string(this_pid()) +
+                          ") cannot use its parent's writer (create a new arena)");
+  }
 }
 
 std::unique_ptr<ArenaWriter> ArenaWriter::create(const ArenaConfig& cfg) {
   check_config(cfg);
-  auto [records, data_bytes] = geometry(cfg);
+  auto [records, data_bytes] = records_and_data_bytes(cfg);
   Offsets o = layout_for(cfg.n_readers, records, data_bytes);
-  auto region = ShmRegion::create(o.total, cfg.prefix, cfg.dir);
-  // The tables are written before the name is handed to anyone, so plain stores suffice;
-  // the atomics are constructed in place (the file is zero-filled, which is also their
-  // zero value).
-  auto* h = new (region->data()) ArenaHeader();
-  h->layout_version = kArenaLayoutVersion;
-  h->policy = static_cast<uint32_t>(cfg.policy);
-  h->region_bytes = o.total;
-  h->n_readers = cfg.n_readers;
-  h->max_records = records;
-  h->readers_offset = o.readers;
-  h->records_offset = o.records;
-  h->releases_offset = o.releases;
-  h->releases_stride = o.releases_stride;
-  h->data_offset = o.data;
-  h->data_bytes = o.data_bytes;
-  h->slot_bytes = cfg.policy == PolicyKind::kFixedSlots ? data_bytes / records : 0;
-  // SYNC POINT: relaxed; only this process runs until the name is shared.
-  h->writer_identity.store(ProcessIdentity::self().packed(), std::memory_order_relaxed);
-  // SYNC POINT: relaxed; read and bumped only by the (single) writer.
-  h->next_generation.store(1, std::memory_order_relaxed);
-  h->magic = kArenaMagic;  // last: a half-initialised header never validates
-  auto policy = policy_for(h);
-  return std::unique_ptr<ArenaWriter>(new ArenaWriter(std::move(region), std::move(policy)));
+  std::unique_ptr<LivenessToken> token;
+  ArenaGeometry geo;
+  auto init = [&](ShmRegion& region) {
+    // The writer's token first: from the moment the segment has its name (and a magic
+    // number), its writer is provably alive.
+    token = LivenessToken::take(region.path(), kWriterTokenByte, region.fd());
+    // Reserve every byte of protocol metadata now, so no process ever faults an unbacked
+    // page of the tables (SIGBUS on a full tmpfs); the data region is reserved block by
+    // block before its first write.
+    if (!region.reserve(0, o.data)) {
+      throw ShmError("not enough shared memory in " + region.dir() + " for the arena's " +
+                     std::to_string(o.data >> 10) +
+                     " KiB of tables (the filesystem is full); free some space or enlarge it "
+                     "(Docker: --shm-size; bare metal: mount -o remount,size=<N>G " +
+                     region.dir() + ")");
+    }
+    // The tables are written before the name is handed to anyone, so plain stores suffice;
+    // the atomics are constructed in place (the file is zero-filled, which is also their
+    // zero value).
+    auto* h = new (region.data()) ArenaHeader();
+    h->layout_version = kArenaLayoutVersion;
+    h->policy = static_cast<uint32_t>(cfg.policy);
+    h->region_bytes = o.total;
+    h->n_readers = cfg.n_readers;
+    h->max_records = records;
+    h->readers_offset = o.readers;
+    h->records_offset = o.records;
+    h->releases_offset = o.releases;
+    h->releases_stride = o.releases_stride;
+    h->data_offset = o.data;
+    h->data_bytes = o.data_bytes;
+    h->slot_bytes = cfg.policy == PolicyKind::kFixedSlots ? data_bytes / records : 0;
+    // SYNC POINT: relaxed; only this process runs until the name is shared.
+    h->writer_pid.store(static_cast<uint64_t>(this_pid()), std::memory_order_relaxed);
+    // SYNC POINT: relaxed; read and bumped only by the (single) writer.
+    h->next_generation.store(1, std::memory_order_relaxed);
+    h->magic = kArenaMagic;  // last: a half-initialised header never validates
+    geo = validate_header(h, region.size(), region.name());
+  };
+  auto region = ShmRegion::create(o.total, cfg.prefix, cfg.dir, init);
+  return std::unique_ptr<ArenaWriter>(new ArenaWriter(std::move(region), geo, std::move(token)));
 }
 
 std::unique_ptr<ArenaWriter> ArenaWriter::attach(const std::string& name, const std::string& dir) {
   auto region = ShmRegion::attach(name, dir, kHeaderBytes);
   auto* h = reinterpret_cast<ArenaHeader*>(region->data());
-  validate_header(h, region->size(), name);
-  // SYNC POINT: acquire; pairs with the release CAS below in a previous writer's attach.
-  uint64_t old = h->writer_identity.load(std::memory_order_acquire);
-  ProcessIdentity prev(old);
-  if (prev.is_alive()) {
-    throw InvalidArgument("arena '" + name + "' already has a live writer (pid " +
-                          std::to_string(prev.pid()) + "); an arena has exactly one writer");
+  ArenaGeometry geo = validate_header(h, region->size(), name);
+  std::unique_ptr<LivenessToken> token;
+  try {
+    token = LivenessToken::take(region->path(), kWriterTokenByte, region->fd());
+  } catch (const TokenHeld&) {
+    // SYNC POINT: relaxed; the pid is only quoted in the message.
+    throw TokenHeld("arena '" + name + "' already has a live writer (pid " +
+                    std::to_string(h->writer_pid.load(std::memory_order_relaxed)) +
+                    "); an arena has exactly one writer");
   }
-  // SYNC POINT: acq_rel CAS; pairs with itself in a concurrent attach (only one wins) and
-  // with the acquire load above.
-  if (!h->writer_identity.compare_exchange_strong(old, ProcessIdentity::self().packed(),
-                                                  std::memory_order_acq_rel)) {
-    throw InvalidArgument("arena '" + name + "': another process claimed the writer role first");
-  }
-  auto policy = policy_for(h);
-  std::unique_ptr<ArenaWriter> w(new ArenaWriter(std::move(region), std::move(policy)));
+  // SYNC POINT: release; pairs with nothing that decides anything (the pid is for messages);
+  // the token taken above is what makes this process the writer.
+  h->writer_pid.store(static_cast<uint64_t>(this_pid()), std::memory_order_release);
+  std::unique_ptr<ArenaWriter> w(new ArenaWriter(region, geo, std::move(token)));
   // Rebuild the private bookkeeping: every published record stays in use until its readers
-  // let go, exactly as if this process had published it.
-  for (uint32_t r = 0; r < h->max_records; ++r) {
+  // let go, exactly as if this process had published it. A record whose metadata does not fit
+  // the geometry or collides with another is skipped (shared memory is untrusted input).
+  for (uint32_t r = 0; r < geo.max_records; ++r) {
     // SYNC POINT: acquire; pairs with the release store in the old writer's publish().
-    uint64_t g = record_meta(h, r)->published_gen.load(std::memory_order_acquire);
+    uint64_t g = record_meta(region->data(), geo, r)->published_gen.load(std::memory_order_acquire);
     if (g == 0) continue;
-    const RecordMeta* m = record_meta(h, r);
-    if (m->offset < h->data_offset || m->capacity > h->region_bytes - m->offset) continue;
-    Placement p{r, m->offset, m->capacity};
-    w->policy_->mark_used(p);
+    RecordCopy c;
+    if (!read_record(region->data(), geo, r, &c)) continue;
+    Placement p{r, c.offset, c.capacity};
+    if (!w->policy_->mark_used(p)) continue;
     w->placement_[r] = p;
     w->gen_[r] = g;
     w->published_[r] = true;
@@ -236,7 +315,14 @@ std::unique_ptr<ArenaWriter> ArenaWriter::attach(const std::string& name, const 
   return w;
 }
 
-ArenaWriter::~ArenaWriter() { region_->unlink(); }
+ArenaWriter::~ArenaWriter() {
+  // A forked child dropping its inherited copy must not remove its parent's name.
+  if (!foreign()) region_->unlink();
+}
+
+void ArenaWriter::unlink() {
+  if (!foreign()) region_->unlink();
+}
 
 uint64_t ArenaWriter::max_allocation() const { return policy_->max_allocation(); }
 
@@ -247,26 +333,33 @@ void ArenaWriter::count_decline(DeclineReason why) {
 
 bool ArenaWriter::reader_lets_go(uint32_t rank, uint32_t record, uint64_t gen,
                                  bool check_liveness) {
-  ArenaHeader* h = header();
-  ReaderEntry* e = reader_entry(h, rank);
+  ReaderEntry* e = reader_entry(region_->data(), geo_, rank);
   // SYNC POINT: acquire; pairs with the release store of kDetached in ArenaReader::detach()
   // (everything the reader did before detaching happens-before we recycle).
   auto state = static_cast<ReaderState>(e->state.load(std::memory_order_acquire));
   if (state == ReaderState::kDetached || state == ReaderState::kDead) return true;
   // SYNC POINT: acquire; pairs with the release store in ArenaReader::release(): the
   // reader's last access to the bytes happens-before the writer reuses them.
-  if (released_gen(h, rank, record)->load(std::memory_order_acquire) == gen) return true;
+  if (released_gen(region_->data(), geo_, rank, record)->load(std::memory_order_acquire) == gen) {
+    return true;
+  }
   if (!check_liveness || state != ReaderState::kAttached) return false;
   auto now = Clock::now();
   if (now - last_liveness_check_[rank] < std::chrono::milliseconds(1)) return false;
   last_liveness_check_[rank] = now;
-  // SYNC POINT: acquire; pairs with the release store of the identity in ArenaReader::attach.
-  ProcessIdentity who(e->identity.load(std::memory_order_acquire));
-  if (who.is_alive()) return false;
+  // Through the mapping's descriptor: no file is opened, so running out of descriptors can't
+  // turn into a "dead" verdict.
+  Liveness v = probe_token(region_->fd(), reader_token_byte(rank));
+  if (v == Liveness::kAlive) return false;
+  if (v == Liveness::kUnknown) {
+    ++stats_.liveness_unknown;  // cannot tell: alive
+    return false;
+  }
   uint32_t expected = static_cast<uint32_t>(ReaderState::kAttached);
   // SYNC POINT: acq_rel CAS; pairs with the release store of kDetached in detach() (a reader
   // that detached cleanly in the meantime stays detached) and with later acquire loads of
-  // the state in this function.
+  // the state in this function. The dead process can no longer store anything: its token
+  // was dropped by the kernel when its last descriptor closed, at exit.
   if (e->state.compare_exchange_strong(expected, static_cast<uint32_t>(ReaderState::kDead),
                                        std::memory_order_acq_rel)) {
     ++stats_.dead_readers;
@@ -275,12 +368,11 @@ bool ArenaWriter::reader_lets_go(uint32_t rank, uint32_t record, uint64_t gen,
 }
 
 size_t ArenaWriter::reclaim_locked(bool check_liveness) {
-  ArenaHeader* h = header();
   size_t freed = 0;
   for (size_t i = 0; i < in_use_.size();) {
     uint32_t rec = in_use_[i];
     bool free = published_[rec] && !loan_hold_[rec];
-    for (uint32_t r = 0; free && r < h->n_readers; ++r) {
+    for (uint32_t r = 0; free && r < geo_.n_readers; ++r) {
       free = reader_lets_go(r, rec, gen_[rec], check_liveness);
     }
     if (!free) {
@@ -297,6 +389,7 @@ size_t ArenaWriter::reclaim_locked(bool check_liveness) {
 }
 
 size_t ArenaWriter::reclaim(bool check_liveness) {
+  require_owner("reclaim");
   std::lock_guard<std::mutex> lock(mu_);
   return reclaim_locked(check_liveness);
 }
@@ -305,7 +398,7 @@ void ArenaWriter::free_locked(uint32_t rec) {
   // SYNC POINT: relaxed; no reader can hold `rec` any more (all released or dead, or the
   // stub never left this process), and a reader that later validates a stale stub compares
   // against this 0 or a newer generation published with release.
-  record_meta(header(), rec)->published_gen.store(0, std::memory_order_relaxed);
+  record_meta(region_->data(), geo_, rec)->published_gen.store(0, std::memory_order_relaxed);
   gen_[rec] = 0;
   published_[rec] = false;
   if (loan_hold_[rec]) {
@@ -318,7 +411,7 @@ void ArenaWriter::free_locked(uint32_t rec) {
 bool ArenaWriter::reserve_blocks(uint64_t offset, uint64_t len, bool* cold) {
   // Pages are reserved in 2 MiB blocks of the data region, whatever the policy: a block is
   // fallocated once, before the first store into any byte of it.
-  uint64_t data_off = header()->data_offset;
+  uint64_t data_off = geo_.data_offset;
   uint64_t first = (offset - data_off) / kDataAlign;
   uint64_t last = (offset + std::max<uint64_t>(len, 1) - 1 - data_off) / kDataAlign;
   *cold = false;
@@ -334,6 +427,7 @@ bool ArenaWriter::reserve_blocks(uint64_t offset, uint64_t len, bool* cold) {
 }
 
 std::optional<Allocation> ArenaWriter::allocate(uint64_t nbytes) {
+  require_owner("allocate");
   std::lock_guard<std::mutex> lock(mu_);
   return allocate_locked(nbytes);
 }
@@ -359,10 +453,9 @@ std::optional<Allocation> ArenaWriter::allocate_locked(uint64_t nbytes) {
     ++stats_.declined[static_cast<size_t>(DeclineReason::kNoSpace)];
     return std::nullopt;
   }
-  ArenaHeader* h = header();
   // SYNC POINT: relaxed; only the writer touches the counter.
-  uint64_t gen = h->next_generation.fetch_add(1, std::memory_order_relaxed);
-  RecordMeta* m = record_meta(h, p->record);
+  uint64_t gen = header()->next_generation.fetch_add(1, std::memory_order_relaxed);
+  RecordMeta* m = record_meta(region_->data(), geo_, p->record);
   m->offset = p->offset;
   m->capacity = p->capacity;
   m->nbytes = nbytes;
@@ -375,6 +468,7 @@ std::optional<Allocation> ArenaWriter::allocate_locked(uint64_t nbytes) {
 }
 
 std::optional<Allocation> ArenaWriter::lend(uint64_t nbytes) {
+  require_owner("lend");
   std::lock_guard<std::mutex> lock(mu_);
   std::optional<Allocation> a = allocate_locked(nbytes);
   if (!a) return a;
@@ -401,6 +495,7 @@ std::optional<LoanRef> ArenaWriter::find_loan(const void* p, uint64_t n) const {
 }
 
 bool ArenaWriter::publish_loan(uint32_t record, uint64_t generation) {
+  require_owner("publish_loan");
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (record >= gen_.size() || gen_[record] != generation || !loan_hold_[record]) {
@@ -415,6 +510,7 @@ bool ArenaWriter::publish_loan(uint32_t record, uint64_t generation) {
 }
 
 void ArenaWriter::end_loan(uint32_t record, uint64_t generation) {
+  if (foreign()) return;  // a forked child's copy of a loan died: the loan is its parent's
   std::lock_guard<std::mutex> lock(mu_);
   if (record >= gen_.size() || gen_[record] != generation || !loan_hold_[record]) return;
   loan_hold_[record] = false;
@@ -428,22 +524,23 @@ void ArenaWriter::end_loan(uint32_t record, uint64_t generation) {
 }
 
 void ArenaWriter::publish(const Allocation& a) {
+  require_owner("publish");
   std::lock_guard<std::mutex> lock(mu_);
   if (a.record >= gen_.size() || gen_[a.record] != a.generation || published_[a.record]) {
     throw InvalidArgument("publish: allocation (record " + std::to_string(a.record) +
                           ", generation " + std::to_string(a.generation) +
                           ") is not a pending allocation of this writer");
   }
-  ArenaHeader* h = header();
-  record_meta(h, a.record)->checksum =
-      debug_checksum_ ? payload_checksum(region_->data() + placement_[a.record].offset, a.nbytes)
-                      : 0;
+  RecordMeta* m = record_meta(region_->data(), geo_, a.record);
+  m->checksum = debug_checksum_
+                    ? payload_checksum(region_->data() + placement_[a.record].offset, a.nbytes)
+                    : 0;
   // Clear every reader's flag for this record? Not needed: flags hold generations, and
   // generations never repeat, so an old flag can't match `a.generation`.
   // SYNC POINT: release; pairs with the acquire load of published_gen in
   // ArenaReader::acquire(): the payload bytes and offset/nbytes written before this store are
   // visible to a reader that sees the generation.
-  record_meta(h, a.record)->published_gen.store(a.generation, std::memory_order_release);
+  m->published_gen.store(a.generation, std::memory_order_release);
   published_[a.record] = true;
   published_at_[a.record] = Clock::now();
   ++stats_.hits;
@@ -458,11 +555,11 @@ void ArenaWriter::publish(const Allocation& a) {
 }
 
 void ArenaWriter::abort(const Allocation& stub) {
+  if (foreign()) return;  // a cleanup path; nothing of a forked child's is in the arena
   std::lock_guard<std::mutex> lock(mu_);
   if (stub.record >= gen_.size() || gen_[stub.record] != stub.generation) return;  // recycled
   // Counters come from what allocate() handed out, not from the caller's copy.
   const Allocation& a = live_[stub.record];
-  ArenaHeader* h = header();
   if (published_[a.record]) {
     // Undo the publish counters: the allocation never reached anyone.
     --stats_.hits;
@@ -478,7 +575,7 @@ void ArenaWriter::abort(const Allocation& stub) {
   if (loan_hold_[a.record]) {
     // An aborted send of a loan: the writer still holds its view; unpublish, keep the loan.
     // SYNC POINT: relaxed; the stub never left this process, so no reader can be looking.
-    record_meta(h, a.record)->published_gen.store(0, std::memory_order_relaxed);
+    record_meta(region_->data(), geo_, a.record)->published_gen.store(0, std::memory_order_relaxed);
     published_[a.record] = false;
     --stats_.loans_sent;
     ++stats_.aborted;
@@ -510,19 +607,19 @@ WriterStats ArenaWriter::stats() const {
 
 std::vector<ReaderHolding> ArenaWriter::holdings() const {
   std::lock_guard<std::mutex> lock(mu_);
-  ArenaHeader* h = header();
+  uint8_t* base = region_->data();
   auto now = Clock::now();
-  std::vector<ReaderHolding> out(h->n_readers);
-  for (uint32_t r = 0; r < h->n_readers; ++r) {
+  std::vector<ReaderHolding> out(geo_.n_readers);
+  for (uint32_t r = 0; r < geo_.n_readers; ++r) {
     out[r].rank = r;
     // SYNC POINT: relaxed; a monitoring snapshot, nothing is recycled based on it.
-    out[r].state =
-        static_cast<ReaderState>(reader_entry(h, r)->state.load(std::memory_order_relaxed));
+    out[r].state = static_cast<ReaderState>(
+        reader_entry(base, geo_, r)->state.load(std::memory_order_relaxed) & 3u);
     if (out[r].state == ReaderState::kDetached || out[r].state == ReaderState::kDead) continue;
     for (uint32_t rec : in_use_) {
       if (!published_[rec]) continue;
       // SYNC POINT: relaxed; monitoring only (see above).
-      if (released_gen(h, r, rec)->load(std::memory_order_relaxed) == gen_[rec]) continue;
+      if (released_gen(base, geo_, r, rec)->load(std::memory_order_relaxed) == gen_[rec]) continue;
       ++out[r].records_held;
       double age = std::chrono::duration<double>(now - published_at_[rec]).count();
       out[r].oldest_age_seconds = std::max(out[r].oldest_age_seconds, age);
@@ -534,75 +631,92 @@ std::vector<ReaderHolding> ArenaWriter::holdings() const {
 // ---------------------------------------------------------------------------------------
 // Reader
 
-ArenaReader::ArenaReader(std::shared_ptr<ShmRegion> region, uint32_t rank)
-    : region_(std::move(region)), rank_(rank) {}
+ArenaReader::ArenaReader(std::shared_ptr<ShmRegion> region, const ArenaGeometry& geo, uint32_t rank,
+                         std::unique_ptr<LivenessToken> token)
+    : region_(std::move(region)),
+      geo_(geo),
+      rank_(rank),
+      token_(std::move(token)),
+      owner_pid_(this_pid()) {}
+
+bool ArenaReader::foreign() const { return this_pid() != owner_pid_; }
 
 std::shared_ptr<ArenaReader> ArenaReader::attach(const std::string& name, uint32_t rank,
                                                  const std::string& dir) {
   auto region = ShmRegion::attach(name, dir, kHeaderBytes);
   auto* h = reinterpret_cast<ArenaHeader*>(region->data());
-  validate_header(h, region->size(), name);
-  if (rank >= h->n_readers) {
+  ArenaGeometry geo = validate_header(h, region->size(), name);
+  if (rank >= geo.n_readers) {
     throw OutOfRange("reader_rank " + std::to_string(rank) + " out of range [0, " +
-                     std::to_string(h->n_readers) + ") for arena '" + name + "'");
+                     std::to_string(geo.n_readers) + ") for arena '" + name + "'");
   }
-  ReaderEntry* e = reader_entry(h, rank);
-  uint64_t me = ProcessIdentity::self().packed();
-  // SYNC POINT: acquire; pairs with the release CAS below in an earlier attach of this rank.
-  uint64_t cur = e->identity.load(std::memory_order_acquire);
-  for (;;) {
-    ProcessIdentity holder(cur);
-    auto st = static_cast<ReaderState>(e->state.load(std::memory_order_acquire));
-    // SYNC POINT (above): acquire; pairs with the release stores of the state in detach()
-    // and the writer's DEAD CAS.
-    if (!holder.empty() && st == ReaderState::kAttached && holder.is_alive()) {
-      throw InvalidArgument("reader rank " + std::to_string(rank) + " of arena '" + name +
-                            "' is already attached by live pid " + std::to_string(holder.pid()));
-    }
-    // SYNC POINT: acq_rel CAS; pairs with itself in a concurrent attach of the same rank
-    // (one wins) and with the writer's acquire load of the identity in reader_lets_go().
-    if (e->identity.compare_exchange_weak(cur, me, std::memory_order_acq_rel)) break;
+  uint8_t* base = region->data();
+  ReaderEntry* e = reader_entry(base, geo, rank);
+  // The rank's token decides who holds the rank: taking it fails while any live process (or
+  // another object of this one) holds it, and succeeds once the holder is gone.
+  std::unique_ptr<LivenessToken> token;
+  try {
+    token = LivenessToken::take(region->path(), reader_token_byte(rank), region->fd());
+  } catch (const TokenHeld&) {
+    // SYNC POINT: relaxed; the pid is only quoted in the message.
+    throw TokenHeld("reader rank " + std::to_string(rank) + " of arena '" + name +
+                    "' is already attached by a live process (pid " +
+                    std::to_string(e->pid.load(std::memory_order_relaxed)) + ")");
   }
-  if (static_cast<ReaderState>(e->state.load(std::memory_order_relaxed)) !=
-      ReaderState::kNeverAttached) {
+  // SYNC POINT: acquire; pairs with the release stores of the state in detach() and the
+  // writer's DEAD CAS: an earlier holder of this rank is gone (we hold its token now).
+  auto prev = static_cast<ReaderState>(e->state.load(std::memory_order_acquire));
+  if (prev != ReaderState::kNeverAttached) {
     // A replacement reader starts with nothing held: mark every record published so far as
     // released by this rank, so the writer does not wait for messages the old process took
     // with it.
-    for (uint32_t r = 0; r < h->max_records; ++r) {
+    for (uint32_t r = 0; r < geo.max_records; ++r) {
       // SYNC POINT: acquire; pairs with the release store in ArenaWriter::publish().
-      uint64_t g = record_meta(h, r)->published_gen.load(std::memory_order_acquire);
+      uint64_t g = record_meta(base, geo, r)->published_gen.load(std::memory_order_acquire);
       // SYNC POINT: release; pairs with the writer's acquire load in reader_lets_go().
-      if (g != 0) released_gen(h, rank, r)->store(g, std::memory_order_release);
+      if (g != 0) released_gen(base, geo, rank, r)->store(g, std::memory_order_release);
     }
   }
+  // SYNC POINT: relaxed; the pid is for messages, ordered before the state store below.
+  e->pid.store(static_cast<uint64_t>(this_pid()), std::memory_order_relaxed);
   // SYNC POINT: release; pairs with the writer's acquire load of the state in
-  // reader_lets_go() (which then also sees the identity stored above).
+  // reader_lets_go(): the releases stored above are visible before it sees ATTACHED.
   e->state.store(static_cast<uint32_t>(ReaderState::kAttached), std::memory_order_release);
-  return std::shared_ptr<ArenaReader>(new ArenaReader(std::move(region), rank));
+  return std::shared_ptr<ArenaReader>(
+      new ArenaReader(std::move(region), geo, rank, std::move(token)));
 }
 
 ArenaReader::~ArenaReader() { detach(); }
 
 uint64_t ArenaReader::max_allocation() const {
-  return variable() ? header()->data_bytes : header()->slot_bytes;
+  return variable() ? geo_.data_bytes : geo_.slot_bytes;
+}
+
+Liveness ArenaReader::writer_liveness() const {
+  return probe_token(region_->fd(), kWriterTokenByte);
 }
 
 uint64_t ArenaReader::published_generation(uint32_t record) const {
-  if (record >= header()->max_records) {
+  if (record >= geo_.max_records) {
     throw OutOfRange("slot " + std::to_string(record) + " out of range [0, " +
-                     std::to_string(header()->max_records) + ")");
+                     std::to_string(geo_.max_records) + ")");
   }
   // SYNC POINT: acquire; pairs with the release store in ArenaWriter::publish().
-  return record_meta(header(), record)->published_gen.load(std::memory_order_acquire);
+  return record_meta(region_->data(), geo_, record)->published_gen.load(std::memory_order_acquire);
 }
 
 const uint8_t* ArenaReader::acquire(uint32_t record, uint64_t generation, uint64_t nbytes,
                                     uint64_t offset) {
-  ArenaHeader* h = header();
-  if (record >= h->max_records) {
+  if (record >= geo_.max_records) {
     throw OutOfRange("slot " + std::to_string(record) + " out of range [0, " +
-                     std::to_string(h->max_records) + ") in arena '" + name() + "'");
+                     std::to_string(geo_.max_records) + ") in arena '" + name() + "'");
   }
+  if (foreign()) {
+    throw InvalidArgument("arena '" + name() + "' reader rank " + std::to_string(rank_) +
+                          " belongs to pid " + std::to_string(owner_pid_) +
+                          "; a forked child cannot read through its parent's reader");
+  }
+  uint8_t* base = region_->data();
   std::lock_guard<std::mutex> lock(mu_);
   if (detached_) throw InvalidArgument("arena '" + name() + "' reader is closed");
   auto it = holds_.find(record);
@@ -614,9 +728,9 @@ const uint8_t* ArenaReader::acquire(uint32_t record, uint64_t generation, uint64
                             std::to_string(it->second.generation));
     }
   } else {
-    RecordMeta* m = record_meta(h, record);
+    RecordMeta* m = record_meta(base, geo_, record);
     // SYNC POINT: acquire; pairs with the release store in ArenaWriter::publish(), making the
-    // payload and m->offset / m->nbytes visible.
+    // payload and the record's offset / capacity / nbytes visible.
     uint64_t g = m->published_gen.load(std::memory_order_acquire);
     if (g != generation || generation == 0) {
       throw InvalidArgument("stale stub for slot " + std::to_string(record) + ": generation " +
@@ -624,53 +738,60 @@ const uint8_t* ArenaReader::acquire(uint32_t record, uint64_t generation, uint64
                             std::to_string(g) + " (already recycled or never published)");
     }
     // SYNC POINT: relaxed; this reader is the only writer of its own flag.
-    if (released_gen(h, rank_, record)->load(std::memory_order_relaxed) == generation) {
+    if (released_gen(base, geo_, rank_, record)->load(std::memory_order_relaxed) == generation) {
       throw InvalidArgument("slot " + std::to_string(record) + " generation " +
                             std::to_string(generation) + " was already released by reader " +
                             std::to_string(rank_));
     }
-    if (m->offset < h->data_offset || m->capacity > h->region_bytes - m->offset ||
-        m->nbytes > m->capacity) {
+    // Read once, validate the copy, and keep using only the copy for as long as it is held.
+    RecordCopy c;
+    if (!read_record(base, geo_, record, &c)) {
       throw InvalidArgument("slot " + std::to_string(record) + " metadata is corrupt");
     }
-    it = holds_.emplace(record, Hold{generation, 0}).first;
+    it = holds_.emplace(record, Hold{generation, 0, c.offset, c.nbytes, c.checksum}).first;
   }
-  RecordMeta* m = record_meta(h, record);
-  if (offset > m->nbytes || nbytes > m->nbytes - offset) {
+  const Hold& hold = it->second;
+  if (offset > hold.nbytes || nbytes > hold.nbytes - offset) {
+    uint64_t written = hold.nbytes;
     if (it->second.count == 0) holds_.erase(it);
     throw InvalidArgument("nbytes " + std::to_string(nbytes) + " at offset " +
-                          std::to_string(offset) + " does not fit the " +
-                          std::to_string(m->nbytes) + " bytes written to slot " +
-                          std::to_string(record));
+                          std::to_string(offset) + " does not fit the " + std::to_string(written) +
+                          " bytes written to slot " + std::to_string(record));
   }
   ++it->second.count;
-  return region_->data() + m->offset + offset;
+  return base + hold.offset + offset;
 }
 
 void ArenaReader::release(uint32_t record, uint64_t generation) {
+  // A forked child dropping its inherited copy of a tensor: the hold is its parent's.
+  if (foreign()) return;
   std::lock_guard<std::mutex> lock(mu_);
   auto it = holds_.find(record);
   if (it == holds_.end() || it->second.generation != generation) return;
   if (--it->second.count > 0) return;
+  Hold hold = it->second;
   holds_.erase(it);
-  const RecordMeta* m = record_meta(header(), record);
-  if (m->checksum != 0 && payload_checksum(region_->data() + m->offset, m->nbytes) != m->checksum) {
+  if (hold.checksum != 0 &&
+      payload_checksum(region_->data() + hold.offset, hold.nbytes) != hold.checksum) {
     mismatches_.fetch_add(1, std::memory_order_relaxed);
   }
   // SYNC POINT: release; pairs with the writer's acquire load in reader_lets_go(): every
   // read of the slot by this process happens-before the writer recycles it.
-  released_gen(header(), rank_, record)->store(generation, std::memory_order_release);
+  released_gen(region_->data(), geo_, rank_, record)->store(generation, std::memory_order_release);
 }
 
 void ArenaReader::release_unacquired(uint32_t record, uint64_t generation) {
-  ArenaHeader* h = header();
-  if (record >= h->max_records) return;
+  if (record >= geo_.max_records || foreign()) return;
+  uint8_t* base = region_->data();
   std::lock_guard<std::mutex> lock(mu_);
   if (holds_.count(record) != 0) return;  // acquired after all; release() will handle it
   // SYNC POINT: acquire; pairs with the release store in ArenaWriter::publish().
-  if (record_meta(h, record)->published_gen.load(std::memory_order_acquire) != generation) return;
+  if (record_meta(base, geo_, record)->published_gen.load(std::memory_order_acquire) !=
+      generation) {
+    return;
+  }
   // SYNC POINT: release; pairs with the writer's acquire load in reader_lets_go().
-  released_gen(h, rank_, record)->store(generation, std::memory_order_release);
+  released_gen(base, geo_, rank_, record)->store(generation, std::memory_order_release);
 }
 
 size_t ArenaReader::held() const {
@@ -679,17 +800,18 @@ size_t ArenaReader::held() const {
 }
 
 void ArenaReader::detach() {
+  // A forked child must not detach its parent's rank (nor close the token: the fork handler
+  // already closed the child's copy of its descriptor).
+  if (foreign()) return;
   std::lock_guard<std::mutex> lock(mu_);
   if (detached_) return;
   detached_ = true;
-  ReaderEntry* e = reader_entry(header(), rank_);
-  // Only detach the rank if this process still owns it (it may have been declared dead and
-  // taken over by a replacement).
-  // SYNC POINT: acquire; pairs with the acq_rel CAS in attach().
-  if (e->identity.load(std::memory_order_acquire) != ProcessIdentity::self().packed()) return;
+  ReaderEntry* e = reader_entry(region_->data(), geo_, rank_);
   // SYNC POINT: release; pairs with the writer's acquire load of the state in
-  // reader_lets_go(): our last reads of any slot happen-before it recycles them.
+  // reader_lets_go(): our last reads of any slot happen-before it recycles them. We hold the
+  // rank's token, so no replacement reader can own the rank while we store this.
   e->state.store(static_cast<uint32_t>(ReaderState::kDetached), std::memory_order_release);
+  token_.reset();  // the rank is free for a replacement
 }
 
 }  // namespace vllm_shm_arena

@@ -7,7 +7,13 @@
 //
 // The writer never blocks: when nothing is free, an allocation is too big, or the shm
 // filesystem is full, allocate() declines (and counts why) so the caller can take another
-// path. A reader that dies is treated as having released everything it held.
+// path. A reader the kernel says is dead (its liveness token is free, core/liveness.h) is
+// treated as having released everything it held; one whose liveness is unknown still holds.
+//
+// Fork: each end records the process that built it. In a forked child the inherited copies
+// are inert: destructors and the implicit paths (a tensor's deleter releasing a record, a loan
+// ending) do nothing, so a child can never release its parent's holds, unlink its parent's
+// name or act as a second writer; explicit calls raise InvalidArgument.
 #pragma once
 
 #include <array>
@@ -24,6 +30,7 @@
 
 #include "core/allocation_policy.h"
 #include "core/arena_layout.h"
+#include "core/liveness.h"
 #include "core/shm_region.h"
 
 namespace vllm_shm_arena {
@@ -55,15 +62,16 @@ struct WriterStats {
   uint64_t warm_copies = 0;  ///< allocations into pages written before
   uint64_t cold_bytes = 0;
   uint64_t warm_bytes = 0;
-  uint64_t reclaimed = 0;       ///< records recycled after every reader let go
-  uint64_t dead_readers = 0;    ///< readers found dead (their holdings were reclaimed)
-  uint64_t aborted = 0;         ///< allocations given back unpublished
-  uint64_t loans = 0;           ///< allocations lent to the writer to fill in place
-  uint64_t loans_sent = 0;      ///< loans published without a copy
-  uint64_t loans_returned = 0;  ///< loans dropped unsent (space given back)
-  uint32_t in_use = 0;          ///< records currently published or being filled
-  uint64_t free_bytes = 0;      ///< variable policy: bytes free now
-  uint64_t largest_free = 0;    ///< variable policy: largest free extent now
+  uint64_t reclaimed = 0;         ///< records recycled after every reader let go
+  uint64_t dead_readers = 0;      ///< readers found dead (their holdings were reclaimed)
+  uint64_t liveness_unknown = 0;  ///< liveness probes the kernel did not answer (kept alive)
+  uint64_t aborted = 0;           ///< allocations given back unpublished
+  uint64_t loans = 0;             ///< allocations lent to the writer to fill in place
+  uint64_t loans_sent = 0;        ///< loans published without a copy
+  uint64_t loans_returned = 0;    ///< loans dropped unsent (space given back)
+  uint32_t in_use = 0;            ///< records currently published or being filled
+  uint64_t free_bytes = 0;        ///< variable policy: bytes free now
+  uint64_t largest_free = 0;      ///< variable policy: largest free extent now
 };
 
 /// Where a pointer range falls inside a loaned allocation.
@@ -96,12 +104,13 @@ class ArenaWriter {
  public:
   /// Creates a new region sized for `cfg` after checking the shm directory has room.
   static std::unique_ptr<ArenaWriter> create(const ArenaConfig& cfg);
-  /// Takes over an existing arena whose writer has died. Throws InvalidArgument if the arena
-  /// still has a live writer.
+  /// Takes over an existing arena whose writer has died. Throws TokenHeld (an
+  /// InvalidArgument) if the arena still has a live writer.
   static std::unique_ptr<ArenaWriter> attach(const std::string& name,
                                              const std::string& dir = ShmRegion::default_dir());
   /// Removes the shm name (if still there): the writer owns it. A writer that dies without
-  /// running this leaves the name for ArenaWriter::attach to take over.
+  /// running this leaves the name for ArenaWriter::attach to take over. In a forked child,
+  /// does nothing.
   ~ArenaWriter();
 
   /// Claims space for `nbytes` (0 allowed), or declines (counted) with nullopt. Never blocks.
@@ -142,15 +151,21 @@ class ArenaWriter {
   uint64_t max_allocation() const;
 
   const std::string& name() const { return region_->name(); }
-  uint32_t n_readers() const { return header()->n_readers; }
-  uint32_t max_records() const { return header()->max_records; }
+  uint32_t n_readers() const { return geo_.n_readers; }
+  uint32_t max_records() const { return geo_.max_records; }
+  const ArenaGeometry& geometry() const { return geo_; }
   const std::shared_ptr<ShmRegion>& region() const { return region_; }
-  /// Removes the shm name (mappings stay valid); readers can no longer attach.
-  void unlink() { region_->unlink(); }
+  /// Removes the shm name (mappings stay valid); readers can no longer attach. A no-op in a
+  /// forked child (the name is its parent's).
+  void unlink();
+  /// True in a process other than the one that built this writer (a forked child).
+  bool foreign() const;
 
  private:
-  ArenaWriter(std::shared_ptr<ShmRegion> region, std::unique_ptr<AllocationPolicy> policy);
+  ArenaWriter(std::shared_ptr<ShmRegion> region, const ArenaGeometry& geo,
+              std::unique_ptr<LivenessToken> token);
   ArenaHeader* header() const { return reinterpret_cast<ArenaHeader*>(region_->data()); }
+  void require_owner(const char* what) const;
   size_t reclaim_locked(bool check_liveness);
   std::optional<Allocation> allocate_locked(uint64_t nbytes);
   bool reserve_blocks(uint64_t offset, uint64_t len, bool* cold);
@@ -158,7 +173,10 @@ class ArenaWriter {
   bool reader_lets_go(uint32_t rank, uint32_t record, uint64_t gen, bool check_liveness);
 
   std::shared_ptr<ShmRegion> region_;
+  ArenaGeometry geo_;  // validated once; never re-read from shared memory
   std::unique_ptr<AllocationPolicy> policy_;
+  std::unique_ptr<LivenessToken> token_;  // the writer role, held while this object lives
+  pid_t owner_pid_;
   mutable std::mutex mu_;  // one writer process, but Python may call it from several threads
   // Writer-private bookkeeping, indexed by record.
   std::vector<Placement> placement_;
@@ -179,7 +197,8 @@ class ArenaWriter {
 class ArenaReader {
  public:
   /// Attaches to `name` as reader `rank`. Validates the header (a garbage, truncated or
-  /// foreign segment is rejected) and refuses a rank another live process holds.
+  /// foreign segment is rejected), takes the rank's liveness token and refuses a rank another
+  /// live process (or object) holds, or a token this process cannot take.
   static std::shared_ptr<ArenaReader> attach(const std::string& name, uint32_t rank,
                                              const std::string& dir = ShmRegion::default_dir());
   ~ArenaReader();
@@ -190,23 +209,30 @@ class ArenaReader {
   const uint8_t* acquire(uint32_t record, uint64_t generation, uint64_t nbytes,
                          uint64_t offset = 0);
   /// Drops one acquire; the last one tells the writer this reader is done with the record.
+  /// A no-op in a forked child: the hold is its parent's.
   void release(uint32_t record, uint64_t generation);
   /// Releases a record this reader was sent but never acquired (a message it failed to
   /// unpickle). A no-op if it is already released or was recycled (stale generation).
   void release_unacquired(uint32_t record, uint64_t generation);
   /// The generation currently published in `record` (0 if none).
   uint64_t published_generation(uint32_t record) const;
-  /// Marks this rank detached: the writer stops waiting for it. Called by the destructor.
+  /// Marks this rank detached: the writer stops waiting for it. Called by the destructor. A
+  /// no-op in a forked child.
   void detach();
+  /// Whether the arena's writer is alive (its token held), dead, or unknown.
+  Liveness writer_liveness() const;
+  /// True in a process other than the one that attached (a forked child).
+  bool foreign() const;
 
   uint32_t rank() const { return rank_; }
-  uint32_t max_records() const { return header()->max_records; }
+  uint32_t max_records() const { return geo_.max_records; }
   uint64_t max_allocation() const;
   /// Start (from the region's base) and size of the data region.
-  uint64_t data_offset() const { return header()->data_offset; }
-  uint64_t data_bytes() const { return header()->data_bytes; }
+  uint64_t data_offset() const { return geo_.data_offset; }
+  uint64_t data_bytes() const { return geo_.data_bytes; }
   /// True for a variable-size arena (any allocation may span the whole data region).
-  bool variable() const { return header()->policy == static_cast<uint32_t>(PolicyKind::kVariable); }
+  bool variable() const { return geo_.policy == PolicyKind::kVariable; }
+  const ArenaGeometry& geometry() const { return geo_; }
   const std::string& name() const { return region_->name(); }
   const std::shared_ptr<ShmRegion>& region() const { return region_; }
   /// Records this reader currently holds (acquired and not yet released).
@@ -215,16 +241,24 @@ class ArenaReader {
   uint64_t checksum_mismatches() const { return mismatches_.load(std::memory_order_relaxed); }
 
  private:
-  ArenaReader(std::shared_ptr<ShmRegion> region, uint32_t rank);
+  ArenaReader(std::shared_ptr<ShmRegion> region, const ArenaGeometry& geo, uint32_t rank,
+              std::unique_ptr<LivenessToken> token);
   ArenaHeader* header() const { return reinterpret_cast<ArenaHeader*>(region_->data()); }
 
   std::shared_ptr<ShmRegion> region_;
+  ArenaGeometry geo_;  // validated once; never re-read from shared memory
   uint32_t rank_;
+  std::unique_ptr<LivenessToken> token_;  // this rank, held until detach
+  pid_t owner_pid_;
   bool detached_ = false;
   mutable std::mutex mu_;
+  // A held record keeps the copy of its metadata taken (and validated) at its first acquire.
   struct Hold {
     uint64_t generation;
     uint32_t count;
+    uint64_t offset;    // of the allocation, from the region's base
+    uint64_t nbytes;    // payload bytes written
+    uint64_t checksum;  // debug mode's checksum at publish, 0 = none
   };
   std::unordered_map<uint32_t, Hold> holds_;
   std::atomic<uint64_t> mismatches_{0};  // process-local counter, not shared memory

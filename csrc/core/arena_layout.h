@@ -38,6 +38,17 @@
 //                                         ATTACHED ─writer finds the process dead─▶ DEAD
 // A NEVER_ATTACHED reader still counts as holding every published record: its messages may
 // be queued for it already. DETACHED and DEAD readers hold nothing.
+//
+// Liveness (core/liveness.h): each role holds an open-file-description lock on one byte of
+// this segment's file, the writer byte 0, reader r byte 1 + r. The writer takes its lock
+// before the segment gets its final name; a reader takes its own before it stores ATTACHED.
+// "Found dead" means the kernel says that byte is unlocked; a probe the kernel does not answer
+// is "unknown" and counts as alive. The pids stored below are for messages only: they mean
+// nothing across pid namespaces and decide nothing.
+//
+// Untrusted input: every process that maps the segment can write all of it. Geometry is read
+// and validated once, at create/attach, and kept in process-private memory (ArenaGeometry);
+// a record's offset/capacity/nbytes are read once per acquire into locals and checked there.
 #pragma once
 
 #include <atomic>
@@ -47,7 +58,7 @@
 namespace vllm_shm_arena {
 
 constexpr uint64_t kArenaMagic = 0x414e455241415356ull;  // "VSAARENA" little-endian
-constexpr uint32_t kArenaLayoutVersion = 1;
+constexpr uint32_t kArenaLayoutVersion = 2;  // 2: liveness tokens replace pid identities
 constexpr uint64_t kHeaderBytes = 4096;
 constexpr uint64_t kCacheLine = 64;
 constexpr uint64_t kDataAlign = 2ull << 20;  // 2 MiB: huge-page friendly where tmpfs has them.
@@ -67,7 +78,7 @@ static_assert(sizeof(std::atomic<uint64_t>) == 8 && alignof(std::atomic<uint64_t
               "an atomic word must have the layout of the plain word other processes map");
 
 /// Page 0 of the region. Written once by the creating writer before the name is shared,
-/// except `writer_identity`, which a new writer may claim when the old one is dead.
+/// except `writer_pid`, which a new writer stores when it takes over from a dead one.
 struct ArenaHeader {
   uint64_t magic;
   uint32_t layout_version;
@@ -81,18 +92,35 @@ struct ArenaHeader {
   uint64_t releases_stride;  // bytes between two readers' released_gen blocks
   uint64_t data_offset;
   uint64_t data_bytes;
-  uint64_t slot_bytes;  // fixed-slot policy: bytes per slot (0 for other policies)
-  std::atomic<uint64_t> writer_identity;  // ProcessIdentity of the writer
+  uint64_t slot_bytes;               // fixed-slot policy: bytes per slot (0 for other policies)
+  std::atomic<uint64_t> writer_pid;  // pid of the writer (messages only; the token decides)
   std::atomic<uint64_t> next_generation;  // generation the writer hands out next
 };
 static_assert(sizeof(ArenaHeader) <= kHeaderBytes, "the header must fit its 4 KiB page");
 
 /// One reader's slot in the reader table; 64 B so readers attaching never share a line.
 struct alignas(kCacheLine) ReaderEntry {
-  std::atomic<uint64_t> identity;  // ProcessIdentity of the attached reader, 0 if none
-  std::atomic<uint32_t> state;     // ReaderState
+  std::atomic<uint64_t> pid;    // pid of the attached reader (messages only), 0 if none
+  std::atomic<uint32_t> state;  // ReaderState
 };
 static_assert(sizeof(ReaderEntry) == kCacheLine, "one reader entry per cache line");
+
+/// The validated shape of an arena: copied out of the header once (create or attach) into
+/// process-private memory and never re-read, so a process that scribbles over the header later
+/// cannot move another process's tables outside its mapping.
+struct ArenaGeometry {
+  PolicyKind policy = PolicyKind::kFixedSlots;
+  uint64_t region_bytes = 0;
+  uint32_t n_readers = 0;
+  uint32_t max_records = 0;
+  uint64_t readers_offset = 0;
+  uint64_t records_offset = 0;
+  uint64_t releases_offset = 0;
+  uint64_t releases_stride = 0;
+  uint64_t data_offset = 0;
+  uint64_t data_bytes = 0;
+  uint64_t slot_bytes = 0;
+};
 
 /// One allocation record; only the writer stores to it.
 struct alignas(kCacheLine) RecordMeta {

@@ -44,6 +44,12 @@ std::string ReleaseGate::note_failure(Failure kind, const std::string& what, Cud
 }
 
 size_t ReleaseGate::flush(void* stream, const Release& release) {
+  return flush_impl(stream, true, release);
+}
+
+size_t ReleaseGate::poll(const Release& release) { return flush_impl(nullptr, false, release); }
+
+size_t ReleaseGate::flush_impl(void* stream, bool record, const Release& release) {
   std::vector<uint64_t> done;
   std::vector<std::string> lines;
   Logger logger;
@@ -63,7 +69,7 @@ size_t ReleaseGate::flush(void* stream, const Release& release) {
       // No runtime in this process, so no DMA can be reading: nothing to wait for.
       done.swap(unrecorded_);
     } else {
-      if (!unrecorded_.empty() && recorded_.size() < kMaxPendingEvents) {
+      if (record && !unrecorded_.empty() && recorded_.size() < kMaxPendingEvents) {
         CudaEvent ev = nullptr;
         if (!pool_.empty()) {
           ev = pool_.back();

@@ -82,6 +82,10 @@ class ReleaseGate {
   /// flush, then polls every pending event without blocking and calls `release` for the tokens
   /// whose event completed (outside the gate's locks). Returns how many tokens were released.
   size_t flush(void* stream, const Release& release);
+  /// Polls the events already recorded, without recording one, and releases the tokens whose
+  /// event completed (a dropped reader's leftovers: no stream is known to record on, so tokens
+  /// freed since the last flush stay held). Returns how many tokens were released.
+  size_t poll(const Release& release);
   /// Releases every token freed so far without looking at events. Only for a caller that knows
   /// no copy from these tokens can still run (it synchronized the device, or CUDA is gone).
   size_t drain_after_sync(const Release& release);
@@ -101,6 +105,7 @@ class ReleaseGate {
   };
   enum Failure : unsigned { kCreateFailed = 1, kRecordFailed = 2, kQueryFailed = 4 };
 
+  size_t flush_impl(void* stream, bool record, const Release& release);
   // Called with flush_mutex_ held; returns the line to log ("" if this kind was logged before).
   std::string note_failure(Failure kind, const std::string& what, CudaError err,
                            const char* consequence);

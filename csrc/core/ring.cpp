@@ -9,9 +9,9 @@
 #include <thread>
 #include <type_traits>
 
+#include <unistd.h>
 #include "core/errors.h"
 #include "core/futex.h"
-#include "core/process_identity.h"
 
 namespace vllm_shm_arena {
 
@@ -19,7 +19,7 @@ namespace detail {
 
 constexpr size_t kCacheLine = 64;
 constexpr uint64_t kRingMagic = 0x474e49525f415356ull;  // "VSA_RING" in little-endian bytes.
-constexpr uint32_t kRingLayoutVersion = 1;
+constexpr uint32_t kRingLayoutVersion = 2;              // 2: liveness tokens replace pid identities
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free,
               "64-bit atomics are shared between processes; a lock-based one would keep its lock "
@@ -46,7 +46,7 @@ struct alignas(kCacheLine) RingHeader {
   uint64_t max_chunk_bytes = 0;
   uint64_t total_bytes = 0;
   // Line 1: writer role and ring-wide state.
-  alignas(kCacheLine) std::atomic<uint64_t> writer{0};  // ProcessIdentity::packed(), 0 = none.
+  alignas(kCacheLine) std::atomic<uint64_t> writer{0};  // pid of the writer, 0 = none (yet).
   std::atomic<uint32_t> shutdown{0};
   std::atomic<uint32_t> dropped_readers{0};
   // Line 2: readers sleep on data_word; the writer bumps it on publish when data_waiters > 0.
@@ -59,7 +59,7 @@ struct alignas(kCacheLine) RingHeader {
 
 struct alignas(kCacheLine) ReaderSlot {
   std::atomic<uint64_t> read_seq{0};  // Last message this reader released.
-  std::atomic<uint64_t> identity{0};  // ProcessIdentity::packed() of the attached process.
+  std::atomic<uint64_t> identity{0};  // pid of the attached process (messages only), 0 = none.
   std::atomic<uint32_t> state{kReaderFree};
 };
 
@@ -98,6 +98,7 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int64_t kLivenessCheckNs = 50 * 1000 * 1000;  // Writer checks lagging readers this often.
 constexpr int64_t kSpinNs = 20 * 1000;                  // Reader spins this long before sleeping.
+constexpr int64_t kWriterCheckNs = 100 * 1000 * 1000;   // A waiting reader probes the writer.
 constexpr int64_t kMaxFiniteTimeoutNs = int64_t{1} << 60;
 
 int64_t now_ns() {
@@ -215,6 +216,11 @@ size_t ring_bytes(const RingConfig& c) {
   return static_cast<size_t>(total);
 }
 
+size_t ring_metadata_bytes(const RingConfig& c) {
+  ring_bytes(c);  // validates the shape
+  return sizeof(RingHeader) + sizeof(ReaderSlot) * c.n_readers + sizeof(ChunkSlot) * c.max_chunks;
+}
+
 void ring_init(void* base, size_t bytes, const RingConfig& c) {
   check_block(base, bytes, "ring_init");
   const size_t need = ring_bytes(c);
@@ -275,32 +281,39 @@ RingConfig ring_validate(const void* base, size_t bytes) {
 // ---------------------------------------------------------------------------------------------
 // RingWriter
 
-RingWriter::RingWriter(void* base, size_t bytes) : config_(ring_validate(base, bytes)) {
+RingWriter::RingWriter(void* base, size_t bytes, const TokenFile& tokens,
+                       std::unique_ptr<LivenessToken> token)
+    : config_(ring_validate(base, bytes)),
+      tokens_(tokens),
+      token_(std::move(token)),
+      owner_pid_(::getpid()) {
   Tables t = tables(base, config_);
   header_ = t.header;
   readers_ = t.readers;
   chunks_ = t.chunks;
   payload_ = t.payload;
   stride_ = t.stride;
-  identity_ = ProcessIdentity::self().packed();
-
-  uint64_t holder = 0;
-  // SYNC POINT: acq_rel CAS; the acquire half pairs with the release CAS/store of writer in a
-  // previous ~RingWriter (or takeover), so the chunk seqs it published are visible below.
-  while (!header_->writer.compare_exchange_strong(holder, identity_, std::memory_order_acq_rel)) {
-    const ProcessIdentity prev(holder);
-    if (prev.is_alive()) {
-      throw InvalidArgument(
-          "RingWriter: the writer role is already held by pid " + std::to_string(prev.pid()) +
-          (holder == identity_ ? " (this process)" : "") + "; a ring has exactly one writer");
+  if (!token_) {
+    try {
+      token_ = LivenessToken::take(tokens_.path, kWriterTokenByte, tokens_.probe_fd);
+    } catch (const TokenHeld&) {
+      // SYNC POINT: relaxed; the pid is only quoted in the message.
+      const uint64_t holder = header_->writer.load(std::memory_order_relaxed);
+      throw TokenHeld("RingWriter: the writer role is already held by pid " +
+                      std::to_string(holder) +
+                      (holder == static_cast<uint64_t>(owner_pid_) ? " (this process)" : "") +
+                      "; a ring has exactly one writer");
     }
-    // The holder died without giving the role back; the loop retries the CAS from its identity.
   }
+  // SYNC POINT: acq_rel exchange; the acquire half pairs with the release CAS in a previous
+  // ~RingWriter (a writer that died published with seq_cst stores and can store no more), so
+  // the chunk seqs read below are the last ones published. Holding the token makes us the
+  // writer; the pid is for messages and tells readers a writer has attached.
+  header_->writer.exchange(static_cast<uint64_t>(owner_pid_), std::memory_order_acq_rel);
   // Resume numbering after the last published message (a fresh ring has none: all seqs are 0).
   uint64_t last = 0;
   for (uint32_t i = 0; i < config_.max_chunks; ++i) {
-    // SYNC POINT: relaxed; ordered after the acquire CAS above, which already synchronised with
-    // the previous writer's stores (the only stores to seq).
+    // SYNC POINT: relaxed; ordered after the acquire exchange above.
     const uint64_t s = chunks_[i].seq.load(std::memory_order_relaxed);
     if (s > last) last = s;
   }
@@ -308,14 +321,15 @@ RingWriter::RingWriter(void* base, size_t bytes) : config_(ring_validate(base, b
 }
 
 RingWriter::~RingWriter() {
-  // A forked child that inherited this object (and somehow ran destructors) must not give away
-  // its parent's role.
-  if (ProcessIdentity::self().packed() != identity_) return;
-  uint64_t expected = identity_;
-  // SYNC POINT: release CAS; pairs with the acquire half of the CAS in the next RingWriter's
-  // constructor, handing over the seqs this writer published.
+  // A forked child that inherited this object must not give away its parent's role (its copy
+  // of the token's descriptor was closed at fork).
+  if (::getpid() != owner_pid_) return;
+  uint64_t expected = static_cast<uint64_t>(owner_pid_);
+  // SYNC POINT: release CAS; pairs with the acquire half of the exchange in the next
+  // RingWriter's constructor, handing over the seqs this writer published.
   header_->writer.compare_exchange_strong(expected, 0, std::memory_order_release,
                                           std::memory_order_relaxed);
+  token_.reset();
 }
 
 bool RingWriter::all_released(uint64_t need) const {
@@ -343,9 +357,14 @@ void RingWriter::drop_dead_readers(uint64_t need) {
     if (st != detail::kReaderAttached) continue;
     // SYNC POINT: acquire; pairs with the release store of read_seq in RingReader::release.
     if (slot.read_seq.load(std::memory_order_acquire) >= need) continue;
-    // SYNC POINT: relaxed; identity was published by the acquire load of state above.
-    const ProcessIdentity who(slot.identity.load(std::memory_order_relaxed));
-    if (who.is_alive()) continue;
+    // Through the mapping's descriptor: opens nothing, so an exhausted descriptor table cannot
+    // turn into a "dead" verdict.
+    const Liveness v = probe_token(tokens_.probe_fd, reader_token_byte(r));
+    if (v == Liveness::kAlive) continue;
+    if (v == Liveness::kUnknown) {
+      ++liveness_unknown_;  // cannot tell: alive
+      continue;
+    }
     // SYNC POINT: seq_cst CAS; races with the reader's own ATTACHED -> DETACHED CAS in
     // ~RingReader (a dying reader's last act) so the rank is retired exactly once.
     if (slot.state.compare_exchange_strong(st, detail::kReaderDead, std::memory_order_seq_cst)) {
@@ -447,8 +466,8 @@ uint32_t RingWriter::dropped_readers() const {
 // ---------------------------------------------------------------------------------------------
 // RingReader
 
-RingReader::RingReader(void* base, size_t bytes, uint32_t rank)
-    : config_(ring_validate(base, bytes)), rank_(rank) {
+RingReader::RingReader(void* base, size_t bytes, uint32_t rank, const TokenFile& tokens)
+    : config_(ring_validate(base, bytes)), tokens_(tokens), owner_pid_(::getpid()), rank_(rank) {
   if (rank >= config_.n_readers) {
     throw OutOfRange("RingReader: rank=" + u64(rank) +
                      " is out of range for n_readers=" + u64(config_.n_readers));
@@ -461,24 +480,25 @@ RingReader::RingReader(void* base, size_t bytes, uint32_t rank)
   stride_ = t.stride;
   spin_ = std::thread::hardware_concurrency() > config_.n_readers + 1;
 
-  const uint64_t me = ProcessIdentity::self().packed();
-  identity_ = me;
+  const uint64_t me = static_cast<uint64_t>(owner_pid_);
+  try {
+    token_ = LivenessToken::take(tokens_.path, reader_token_byte(rank), tokens_.probe_fd);
+  } catch (const TokenHeld&) {
+    // SYNC POINT: relaxed; the pid is only quoted in the message.
+    const uint64_t holder = slot_->identity.load(std::memory_order_relaxed);
+    throw TokenHeld("RingReader: rank=" + u64(rank) + " already has a live reader (pid " +
+                    u64(holder) + (holder == me ? ", this process" : "") +
+                    "); each rank attaches once per ring");
+  }
   uint64_t holder = 0;
   // SYNC POINT: acq_rel CAS; claims the rank exactly once across all processes (pairs with
-  // itself in a competing RingReader); the writer reads identity only after state (below).
+  // itself in an earlier RingReader of this rank); the writer reads state, not the pid.
   if (!slot_->identity.compare_exchange_strong(holder, me, std::memory_order_acq_rel)) {
     // SYNC POINT: acquire; pairs with the state stores of the rank's earlier reader/writer.
     const uint32_t st = slot_->state.load(std::memory_order_acquire);
-    const ProcessIdentity prev(holder);
-    std::string why;
-    if (st == detail::kReaderDetached) {
-      why = "was used by pid " + std::to_string(prev.pid()) + " and detached";
-    } else if (st == detail::kReaderDead || !prev.is_alive()) {
-      why = "was used by pid " + std::to_string(prev.pid()) + ", which is gone";
-    } else {
-      why = "already has a live reader (pid " + std::to_string(prev.pid()) +
-            (holder == me ? ", this process" : "") + ")";
-    }
+    std::string why = st == detail::kReaderDetached
+                          ? "was used by pid " + u64(holder) + " and detached"
+                          : "was used by pid " + u64(holder) + ", which is gone";
     throw InvalidArgument("RingReader: rank=" + u64(rank) + " " + why +
                           "; each rank attaches once per ring");
   }
@@ -486,13 +506,13 @@ RingReader::RingReader(void* base, size_t bytes, uint32_t rank)
   // ring_init wrote it before (published by the acquire in ring_validate).
   last_seq_ = slot_->read_seq.load(std::memory_order_relaxed);
   // SYNC POINT: seq_cst (release at least); pairs with the acquire load of state in
-  // RingWriter::drop_dead_readers, which then reads the identity stored above.
+  // RingWriter::drop_dead_readers: our token is held before the writer can see ATTACHED.
   slot_->state.store(detail::kReaderAttached, std::memory_order_seq_cst);
 }
 
 RingReader::~RingReader() {
   // A forked child that inherited this object must not detach its parent's rank.
-  if (ProcessIdentity::self().packed() != identity_) return;
+  if (::getpid() != owner_pid_) return;
   uint32_t st = detail::kReaderAttached;
   // SYNC POINT: seq_cst CAS; races with the writer's ATTACHED -> DEAD CAS in drop_dead_readers
   // and pairs with the seq_cst state load in RingWriter::all_released (Dekker with space_waiter).
@@ -505,6 +525,13 @@ RingReader::~RingReader() {
       // A destructor must not throw; the writer re-checks at least every 50 ms anyway.
     }
   }
+}
+
+Liveness RingReader::writer_liveness() const {
+  // SYNC POINT: acquire; pairs with the acq_rel exchange in RingWriter's constructor. 0 means
+  // no writer ever attached (or one gave the role back cleanly): nothing to declare dead.
+  if (header_->writer.load(std::memory_order_acquire) == 0) return Liveness::kAlive;
+  return probe_token(tokens_.probe_fd, kWriterTokenByte);
 }
 
 void RingReader::throw_overrun(uint64_t found) const {
@@ -548,6 +575,7 @@ RingReader::Status RingReader::acquire(int64_t timeout_ns, const uint8_t** data,
         if (i % 64 == 0 && now_ns() >= spin_end) break;
       }
     }
+    int64_t next_writer_check = now_ns() + kWriterCheckNs;
     while (!ready(std::memory_order_acquire)) {
       // SYNC POINT: acquire; pairs with the seq_cst store of shutdown in RingWriter::shutdown,
       // which follows every publish, so the ready() re-check below sees the last message.
@@ -555,11 +583,24 @@ RingReader::Status RingReader::acquire(int64_t timeout_ns, const uint8_t** data,
         if (!ready(std::memory_order_acquire)) status = Status::kShutdown;
         break;
       }
-      const int64_t left = deadline.remaining_ns();
+      int64_t left = deadline.remaining_ns();
       if (left == 0) {
         status = Status::kTimeout;
         break;
       }
+      const int64_t now = now_ns();
+      if (now >= next_writer_check) {
+        next_writer_check = now + kWriterCheckNs;
+        // A dead writer's last message is already visible (its stores happened before it
+        // died), so re-check once before reporting it.
+        if (writer_liveness() == Liveness::kDead) {
+          if (!ready(std::memory_order_acquire)) status = Status::kWriterDead;
+          break;
+        }
+      }
+      // Sleep no longer than until the next writer check is due.
+      const int64_t until_check = next_writer_check - now;
+      if (left < 0 || left > until_check) left = until_check > 0 ? until_check : 1;
       // SYNC POINT: seq_cst RMW; pairs with the seq_cst load of data_waiters in
       // RingWriter::publish: either the writer sees us and bumps data_word, or our seq_cst
       // re-check below sees its seq store.
@@ -583,8 +624,16 @@ RingReader::Status RingReader::acquire(int64_t timeout_ns, const uint8_t** data,
     }
   }
   if (status != Status::kOk) return status;
+  // Read once and checked against the private copy of the geometry: a corrupted length must
+  // never send the caller past the chunk (and the mapping).
+  const uint64_t n = chunk.nbytes;
+  if (n > config_.max_chunk_bytes) {
+    throw ShmError("RingReader: rank=" + u64(rank_) + " message " + u64(next) + " claims " +
+                   u64(n) + " bytes, more than a chunk holds (" + u64(config_.max_chunk_bytes) +
+                   "): the ring's shared memory is corrupt");
+  }
   *data = payload_ + stride_ * index;
-  *nbytes = chunk.nbytes;
+  *nbytes = n;
   *flags = chunk.flags;
   acquired_ = true;
   return Status::kOk;

@@ -11,7 +11,7 @@
 //   base +0    RingHeader, 4 cache lines
 //              line 0  layout   magic | layout_version | n_readers | max_chunks |
 //                               max_chunk_bytes | total_bytes       (immutable after ring_init)
-//              line 1  control  writer (ProcessIdentity) | shutdown | dropped_readers
+//              line 1  control  writer (pid, messages only) | shutdown | dropped_readers
 //              line 2  data     data_word | data_waiters   readers sleep here, publish wakes
 //              line 3  space    space_word | space_waiter  the writer sleeps here, release wakes
 //   +256       ReaderSlot[R], one cache line each, written only by its reader (and the writer
@@ -40,7 +40,8 @@
 //   writer dropped as dead.
 //
 // Reader slot states: FREE (never attached) -> ATTACHED -> DETACHED (clean ~RingReader) or DEAD
-// (the writer found the process gone). The writer counts FREE and ATTACHED readers: a reader
+// (the writer found the process gone: its liveness token, core/liveness.h, is free; a probe the
+// kernel does not answer counts as alive). The writer counts FREE and ATTACHED readers: a reader
 // that has not attached yet is waited for (until the writer's timeout) so it cannot miss the
 // first messages; DETACHED and DEAD readers are never counted again, and a rank cannot be
 // re-attached.
@@ -56,6 +57,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+
+#include "core/liveness.h"
 
 namespace vllm_shm_arena {
 
@@ -78,6 +82,10 @@ constexpr uint64_t kRingMaxChunkBytes = uint64_t{1} << 40;
 /// too-large field.
 size_t ring_bytes(const RingConfig& config);
 
+/// Bytes at the start of the block that hold the ring's tables (header, reader and chunk
+/// slots): what a creator must back (fallocate) before ring_init touches it.
+size_t ring_metadata_bytes(const RingConfig& config);
+
 /// Lays out a fresh ring in [base, base + bytes): no writer, no reader attached, no message.
 /// Call once, before any RingWriter / RingReader attaches. `base` must be 64-byte aligned.
 void ring_init(void* base, size_t bytes, const RingConfig& config);
@@ -95,10 +103,13 @@ struct ChunkSlot;
 /// The single writer of a ring. Not thread-safe: one thread drives it.
 class RingWriter {
  public:
-  /// Attaches to a ring and claims the writer role. Throws InvalidArgument if the block is not
-  /// a ring or another live process (or object) holds the role; takes over from a dead writer.
-  RingWriter(void* base, size_t bytes);
-  /// Gives the writer role back (does not shut the ring down).
+  /// Attaches to a ring and claims the writer role by its liveness token in `tokens` (or uses
+  /// `token`, already taken by the caller, e.g. before the segment was named). Throws
+  /// InvalidArgument if the block is not a ring, TokenHeld if another live process (or object)
+  /// holds the role; takes over from a dead writer.
+  RingWriter(void* base, size_t bytes, const TokenFile& tokens,
+             std::unique_ptr<LivenessToken> token = nullptr);
+  /// Gives the writer role back (does not shut the ring down). In a forked child, does nothing.
   ~RingWriter();
   RingWriter(const RingWriter&) = delete;
   RingWriter& operator=(const RingWriter&) = delete;
@@ -115,6 +126,8 @@ class RingWriter {
 
   /// Readers this ring has dropped as dead (by any writer, ever).
   uint32_t dropped_readers() const;
+  /// Liveness probes of lagging readers the kernel did not answer (those readers were kept).
+  uint64_t liveness_unknown() const { return liveness_unknown_; }
   /// Messages published so far (the sequence number of the last one).
   uint64_t published() const { return next_seq_ - 1; }
   const RingConfig& config() const { return config_; }
@@ -129,29 +142,36 @@ class RingWriter {
   detail::ChunkSlot* chunks_;
   uint8_t* payload_;
   uint64_t stride_;
-  uint64_t identity_;
+  TokenFile tokens_;
+  std::unique_ptr<LivenessToken> token_;  // the writer role
+  pid_t owner_pid_;
   uint64_t next_seq_ = 1;
   bool acquired_ = false;
   int64_t last_liveness_check_ns_ = 0;
+  uint64_t liveness_unknown_ = 0;
 };
 
 /// One reader rank of a ring. Not thread-safe: one thread drives it.
 class RingReader {
  public:
-  enum class Status { kOk, kTimeout, kShutdown };
+  enum class Status { kOk, kTimeout, kShutdown, kWriterDead };
 
-  /// Attaches as reader `rank`, recording this process's identity for dead-reader detection.
-  /// Throws OutOfRange for a bad rank, InvalidArgument if the block is not a ring or the rank
-  /// is or was taken (ranks are never re-attached).
-  RingReader(void* base, size_t bytes, uint32_t rank);
-  /// Detaches: the writer stops waiting for this rank.
+  /// Attaches as reader `rank`, taking the rank's liveness token in `tokens` for dead-reader
+  /// detection. Throws OutOfRange for a bad rank, InvalidArgument if the block is not a ring
+  /// or the rank is or was taken (ranks are never re-attached; TokenHeld while a live process
+  /// holds it), ShmError if this process cannot take its token.
+  RingReader(void* base, size_t bytes, uint32_t rank, const TokenFile& tokens);
+  /// Detaches: the writer stops waiting for this rank. In a forked child, does nothing.
   ~RingReader();
   RingReader(const RingReader&) = delete;
   RingReader& operator=(const RingReader&) = delete;
 
   /// Waits for the next message in order, at most `timeout_ns` (< 0: no limit). On kOk the
   /// message stays valid until release(). After shutdown() the messages already published are
-  /// still delivered, then kShutdown. Throws ShmError if the writer dropped this reader.
+  /// still delivered, then kShutdown. While waiting, the writer's token is probed about every
+  /// 100 ms: once a writer has attached and the kernel says it is gone, kWriterDead (messages
+  /// it published are still delivered first). Throws ShmError if the writer dropped this
+  /// reader or a chunk's length is corrupt.
   Status acquire(int64_t timeout_ns, const uint8_t** data, uint64_t* nbytes, uint32_t* flags);
   /// Hands the message from the last successful acquire back to the writer.
   void release();
@@ -160,6 +180,8 @@ class RingReader {
   /// Messages released so far (the sequence number of the last one).
   uint64_t consumed() const { return last_seq_; }
   const RingConfig& config() const { return config_; }
+  /// Whether the writer is alive: kDead only once a writer attached and its token is free.
+  Liveness writer_liveness() const;
 
  private:
   [[noreturn]] void throw_overrun(uint64_t found) const;
@@ -170,7 +192,9 @@ class RingReader {
   detail::ChunkSlot* chunks_;
   const uint8_t* payload_;
   uint64_t stride_;
-  uint64_t identity_;
+  TokenFile tokens_;
+  std::unique_ptr<LivenessToken> token_;  // this rank
+  pid_t owner_pid_;
   uint32_t rank_;
   bool spin_;
   uint64_t last_seq_ = 0;

@@ -89,12 +89,14 @@ ShmRegion::ShmRegion(std::string name, std::string dir, int fd, uint8_t* base, u
     : name_(std::move(name)), dir_(std::move(dir)), fd_(fd), base_(base), size_(size) {}
 
 std::shared_ptr<ShmRegion> ShmRegion::create(uint64_t bytes, const std::string& prefix,
-                                             const std::string& dir) {
+                                             const std::string& dir,
+                                             const std::function<void(ShmRegion&)>& init) {
   if (bytes == 0) throw InvalidArgument("shared-memory size must be > 0, got 0");
   check_name(prefix + "x");
   check_free_space(dir, bytes);
-  std::string name = prefix + random_hex128();
-  std::string path = dir + "/" + name;
+  const std::string hex = random_hex128();
+  std::string tmp_name = prefix + "tmp_" + hex;
+  std::string path = dir + "/" + tmp_name;
   int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0) throw ShmError(errno_message("creating shared memory " + path, errno));
   if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
@@ -110,8 +112,28 @@ std::shared_ptr<ShmRegion> ShmRegion::create(uint64_t bytes, const std::string& 
     ::unlink(path.c_str());
     throw ShmError(errno_message("mapping shared memory " + path, err));
   }
-  return std::shared_ptr<ShmRegion>(
-      new ShmRegion(std::move(name), dir, fd, static_cast<uint8_t*>(p), bytes));
+  std::shared_ptr<ShmRegion> region(
+      new ShmRegion(tmp_name, dir, fd, static_cast<uint8_t*>(p), bytes));
+  try {
+    if (init) init(*region);
+    std::string final_name = prefix + hex;
+    std::string final_path = dir + "/" + final_name;
+    // RENAME_NOREPLACE: never replace a segment someone else created under that name.
+    if (::renameat2(AT_FDCWD, path.c_str(), AT_FDCWD, final_path.c_str(), RENAME_NOREPLACE) != 0) {
+      int err = errno;
+      if (err != EINVAL) throw ShmError(errno_message("naming shared memory " + final_path, err));
+      // A filesystem without renameat2 flags: link() also refuses to replace.
+      if (::link(path.c_str(), final_path.c_str()) != 0) {
+        throw ShmError(errno_message("naming shared memory " + final_path, errno));
+      }
+      ::unlink(path.c_str());
+    }
+    region->name_ = final_name;
+  } catch (...) {
+    region->unlink();
+    throw;
+  }
+  return region;
 }
 
 std::shared_ptr<ShmRegion> ShmRegion::attach(const std::string& name, const std::string& dir,
@@ -129,6 +151,12 @@ std::shared_ptr<ShmRegion> ShmRegion::attach(const std::string& name, const std:
     int err = errno;
     ::close(fd);
     throw ShmError(errno_message("fstat " + path, err));
+  }
+  if (st.st_uid != ::geteuid()) {
+    ::close(fd);
+    throw InvalidArgument("shared memory '" + name + "' (" + path + ") belongs to uid " +
+                          std::to_string(st.st_uid) + ", not to this process's uid " +
+                          std::to_string(::geteuid()) + "; refusing to trust it");
   }
   uint64_t bytes = static_cast<uint64_t>(st.st_size);
   if (bytes == 0 || bytes < min_bytes) {

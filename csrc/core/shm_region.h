@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -31,14 +32,19 @@ class ShmRegion {
   /// Bytes free in `dir` for an unprivileged writer (statvfs f_bavail).
   static uint64_t free_bytes(const std::string& dir);
 
-  /// Creates a new segment named `<prefix><32 random hex digits>` (128 bits) with
-  /// O_CREAT|O_EXCL and mode 0600, sized to `bytes`, and maps it read-write.
-  static std::shared_ptr<ShmRegion> create(uint64_t bytes, const std::string& prefix = "vsa_",
-                                           const std::string& dir = default_dir());
+  /// Creates a new segment named `<prefix><32 random hex digits>` (128 bits), mode 0600,
+  /// sized to `bytes`, and maps it read-write. It is created (O_CREAT|O_EXCL) under a
+  /// temporary name, `init` runs on it (take the writer's liveness token, reserve and write
+  /// the tables), and only then is it renamed to its final name: nobody can find a segment
+  /// whose writer has not yet taken its token. If `init` throws, the file is removed.
+  static std::shared_ptr<ShmRegion> create(
+      uint64_t bytes, const std::string& prefix = "vsa_", const std::string& dir = default_dir(),
+      const std::function<void(ShmRegion&)>& init = std::function<void(ShmRegion&)>());
 
   /// Maps an existing segment by name. Throws ShmError if it does not exist or can't be
-  /// mapped, InvalidArgument if the name is malformed or the segment is smaller than
-  /// `min_bytes`.
+  /// mapped, InvalidArgument if the name is malformed, the segment is smaller than
+  /// `min_bytes`, or it belongs to another user (every process that maps a segment can
+  /// corrupt it, so only our own user's segments are trusted that far).
   static std::shared_ptr<ShmRegion> attach(const std::string& name,
                                            const std::string& dir = default_dir(),
                                            uint64_t min_bytes = 0);
@@ -58,6 +64,11 @@ class ShmRegion {
   uint64_t size() const { return size_; }
   const std::string& name() const { return name_; }
   const std::string& dir() const { return dir_; }
+  /// dir/name: where liveness tokens open the file.
+  std::string path() const { return dir_ + "/" + name_; }
+  /// The mapping's descriptor. It never holds a liveness token, so it is the one to probe
+  /// tokens through.
+  int fd() const { return fd_; }
   bool unlinked() const { return unlinked_; }
 
  private:

@@ -6,6 +6,7 @@
 // (PR_SET_PDEATHSIG) or after 30 s (alarm), so no test can leave a process behind or hang.
 #include "core/ring.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -28,6 +29,7 @@
 
 #include "catch_compat.hpp"
 #include "core/errors.h"
+#include "test_util.hpp"
 
 using namespace vllm_shm_arena;
 
@@ -95,26 +97,40 @@ std::string check_message(uint64_t seed, uint64_t seq, uint64_t max_bytes, const
 }
 
 // A MAP_SHARED | MAP_ANONYMOUS block holding a ring, plus one spare page for test flags.
+// A ring in a file of a private directory, mapped shared: forked children see the same
+// bytes, and the file carries the roles' liveness tokens.
 class SharedRing {
  public:
   explicit SharedRing(const RingConfig& config) : ring_bytes_(ring_bytes(config)) {
     map_bytes_ = ring_bytes_ + 4096;
-    base_ = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    path_ = dir_.path() + "/ring";
+    fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd_ < 0 || ::ftruncate(fd_, static_cast<off_t>(map_bytes_)) != 0) {
+      throw std::runtime_error("cannot create " + path_);
+    }
+    base_ = mmap(nullptr, map_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
     if (base_ == MAP_FAILED) throw std::runtime_error("mmap failed");
     ring_init(base_, ring_bytes_, config);
     flags_ = reinterpret_cast<std::atomic<uint32_t>*>(static_cast<uint8_t*>(base_) + ring_bytes_);
     for (int i = 0; i < 16; ++i) new (&flags_[i]) std::atomic<uint32_t>(0);
   }
-  ~SharedRing() { munmap(base_, map_bytes_); }
+  ~SharedRing() {
+    munmap(base_, map_bytes_);
+    ::close(fd_);
+  }
   SharedRing(const SharedRing&) = delete;
   SharedRing& operator=(const SharedRing&) = delete;
 
   void* base() const { return base_; }
   size_t bytes() const { return ring_bytes_; }
+  TokenFile tokens() const { return TokenFile{path_, fd_}; }
   // Test-private shared flags, zero-initialised, outside the ring.
   std::atomic<uint32_t>& flag(int i) { return flags_[i]; }
 
  private:
+  vsa_test::TempDir dir_;
+  std::string path_;
+  int fd_ = -1;
   size_t ring_bytes_;
   size_t map_bytes_;
   void* base_;
@@ -222,8 +238,8 @@ bool contains(const std::string& s, const std::string& part) {
 
 // Reads `count` messages as `rank` and checks each, then expects kShutdown. Returns "" or the
 // first problem.
-std::string read_and_check(void* base, size_t bytes, uint32_t rank, uint64_t seed, uint64_t count) {
-  RingReader reader(base, bytes, rank);
+std::string read_and_check(SharedRing& shm, uint32_t rank, uint64_t seed, uint64_t count) {
+  RingReader reader(shm.base(), shm.bytes(), rank, shm.tokens());
   const uint64_t max_bytes = reader.config().max_chunk_bytes;
   for (uint64_t seq = 1; seq <= count; ++seq) {
     const uint8_t* data = nullptr;
@@ -278,13 +294,13 @@ TEST_CASE("ring delivers 10,000 random-size messages in order to forked readers"
   const auto t0 = Clock::now();
   for (uint32_t r = 0; r < n_readers; ++r) {
     pids.push_back(children.spawn([&, r] {
-      const std::string err = read_and_check(shm.base(), shm.bytes(), r, seed, kMessages);
+      const std::string err = read_and_check(shm, r, seed, kMessages);
       if (err.empty()) return 0;
       std::fprintf(stderr, "%s\n", err.c_str());
       return 1;
     }));
   }
-  RingWriter sut(shm.base(), shm.bytes());
+  RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
   const std::string err = write_all(sut, seed, kMessages);
   REQUIRE(err.empty());
   for (pid_t pid : pids) CHECK(children.wait_exit(pid, 20000) == 0);
@@ -306,13 +322,13 @@ TEST_CASE("ring delivers in order to reader threads of one process", "[ring][thr
   config.max_chunks = max_chunks;
   config.max_chunk_bytes = 512;
   SharedRing shm(config);
-  RingWriter sut(shm.base(), shm.bytes());
+  RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
   std::vector<std::string> errors(kReaders);
   std::vector<std::thread> threads;
   for (uint32_t r = 0; r < kReaders; ++r) {
     threads.emplace_back([&, r] {
       try {
-        errors[r] = read_and_check(shm.base(), shm.bytes(), r, seed, kMessages);
+        errors[r] = read_and_check(shm, r, seed, kMessages);
       } catch (const std::exception& e) {
         errors[r] = e.what();
       }
@@ -337,8 +353,8 @@ TEST_CASE("ring writer blocks while every chunk is unread and times out cleanly"
   config.max_chunks = 4;
   config.max_chunk_bytes = 64;
   SharedRing shm(config);
-  RingWriter sut(shm.base(), shm.bytes());
-  RingReader reader(shm.base(), shm.bytes(), 0);
+  RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
+  RingReader reader(shm.base(), shm.bytes(), 0, shm.tokens());
   for (uint32_t i = 0; i < config.max_chunks; ++i) {
     REQUIRE(sut.acquire(0) != nullptr);
     sut.publish(8, 0);
@@ -370,10 +386,10 @@ TEST_CASE("ring writer blocked on a full ring is woken by a release in another p
   config.max_chunks = 2;
   config.max_chunk_bytes = 64;
   SharedRing shm(config);
-  RingWriter sut(shm.base(), shm.bytes());
+  RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
   Children children;
   const pid_t pid = children.spawn([&] {
-    RingReader reader(shm.base(), shm.bytes(), 0);
+    RingReader reader(shm.base(), shm.bytes(), 0, shm.tokens());
     shm.flag(0).store(1);
     wait_flag(shm.flag(1), 1, 10000);  // The writer is about to block.
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -404,8 +420,8 @@ TEST_CASE("ring writer waits for a reader that never attached", "[ring]") {
   config.max_chunks = 2;
   config.max_chunk_bytes = 64;
   SharedRing shm(config);
-  RingWriter sut(shm.base(), shm.bytes());
-  RingReader reader0(shm.base(), shm.bytes(), 0);
+  RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
+  RingReader reader0(shm.base(), shm.bytes(), 0, shm.tokens());
   const uint8_t* data = nullptr;
   uint64_t n = 0;
   uint32_t flags = 0;
@@ -419,7 +435,7 @@ TEST_CASE("ring writer waits for a reader that never attached", "[ring]") {
   CHECK(sut.acquire(120 * kMs) == nullptr);
   CHECK(sut.dropped_readers() == 0);
   // The late reader still gets the first message.
-  RingReader reader1(shm.base(), shm.bytes(), 1);
+  RingReader reader1(shm.base(), shm.bytes(), 1, shm.tokens());
   REQUIRE(reader1.acquire(0, &data, &n, &flags) == Status::kOk);
   CHECK(reader1.consumed() == 0);
   reader1.release();
@@ -433,10 +449,10 @@ TEST_CASE("ring writer stops waiting for a reader that detached", "[ring]") {
   config.max_chunks = 2;
   config.max_chunk_bytes = 64;
   SharedRing shm(config);
-  RingWriter sut(shm.base(), shm.bytes());
-  RingReader reader0(shm.base(), shm.bytes(), 0);
+  RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
+  RingReader reader0(shm.base(), shm.bytes(), 0, shm.tokens());
   {
-    RingReader reader1(shm.base(), shm.bytes(), 1);
+    RingReader reader1(shm.base(), shm.bytes(), 1, shm.tokens());
   }
   const uint8_t* data = nullptr;
   uint64_t n = 0;
@@ -456,7 +472,7 @@ TEST_CASE("ring reader times out on an empty ring", "[ring]") {
   config.max_chunks = 4;
   config.max_chunk_bytes = 64;
   SharedRing shm(config);
-  RingReader sut(shm.base(), shm.bytes(), 0);
+  RingReader sut(shm.base(), shm.bytes(), 0, shm.tokens());
   const uint8_t* data = nullptr;
   uint64_t n = 0;
   uint32_t flags = 0;
@@ -469,7 +485,7 @@ TEST_CASE("ring reader times out on an empty ring", "[ring]") {
   // A timeout holds nothing: there is nothing to release.
   CHECK_THROWS_AS(sut.release(), InvalidArgument);
 
-  RingWriter writer(shm.base(), shm.bytes());
+  RingWriter writer(shm.base(), shm.bytes(), shm.tokens());
   uint8_t* p = writer.acquire(0);
   REQUIRE(p != nullptr);
   std::memcpy(p, "hello", 5);
@@ -487,10 +503,10 @@ TEST_CASE("ring shutdown wakes a reader blocked in another process", "[ring]") {
   config.max_chunks = 4;
   config.max_chunk_bytes = 64;
   SharedRing shm(config);
-  RingWriter sut(shm.base(), shm.bytes());
+  RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
   Children children;
   const pid_t pid = children.spawn([&] {
-    RingReader reader(shm.base(), shm.bytes(), 0);
+    RingReader reader(shm.base(), shm.bytes(), 0, shm.tokens());
     const uint8_t* data = nullptr;
     uint64_t n = 0;
     uint32_t flags = 0;
@@ -515,8 +531,8 @@ TEST_CASE("ring shutdown delivers messages already published, then kShutdown", "
   config.max_chunks = 4;
   config.max_chunk_bytes = 64;
   SharedRing shm(config);
-  RingWriter sut(shm.base(), shm.bytes());
-  RingReader reader(shm.base(), shm.bytes(), 0);
+  RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
+  RingReader reader(shm.base(), shm.bytes(), 0, shm.tokens());
   for (int i = 0; i < 2; ++i) {
     REQUIRE(sut.acquire(0) != nullptr);
     sut.publish(1, 0);
@@ -544,11 +560,11 @@ TEST_CASE("ring writer drops a SIGKILLed reader and carries on", "[ring]") {
   config.max_chunks = 4;
   config.max_chunk_bytes = 64;
   SharedRing shm(config);
-  RingWriter sut(shm.base(), shm.bytes());
-  RingReader reader0(shm.base(), shm.bytes(), 0);
+  RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
+  RingReader reader0(shm.base(), shm.bytes(), 0, shm.tokens());
   Children children;
   const pid_t victim = children.spawn([&] {
-    RingReader reader(shm.base(), shm.bytes(), 1);
+    RingReader reader(shm.base(), shm.bytes(), 1, shm.tokens());
     const uint8_t* data = nullptr;
     uint64_t n = 0;
     uint32_t flags = 0;
@@ -599,9 +615,9 @@ TEST_CASE("ring writer drops a SIGKILLed reader and carries on", "[ring]") {
   }
   CHECK(sut.dropped_readers() == 1);
   // The dead rank cannot be taken over.
-  CHECK(contains(
-      thrown_message<InvalidArgument>([&] { RingReader again(shm.base(), shm.bytes(), 1); }),
-      "rank=1"));
+  CHECK(contains(thrown_message<InvalidArgument>(
+                     [&] { RingReader again(shm.base(), shm.bytes(), 1, shm.tokens()); }),
+                 "rank=1"));
 }
 
 TEST_CASE("ring rank and writer role are exclusive", "[ring]") {
@@ -610,11 +626,11 @@ TEST_CASE("ring rank and writer role are exclusive", "[ring]") {
   config.max_chunks = 4;
   config.max_chunk_bytes = 64;
   SharedRing shm(config);
-  auto sut = std::make_unique<RingReader>(shm.base(), shm.bytes(), 0);
+  auto sut = std::make_unique<RingReader>(shm.base(), shm.bytes(), 0, shm.tokens());
 
   SECTION("a second reader on the same rank in this process throws") {
-    const std::string msg =
-        thrown_message<InvalidArgument>([&] { RingReader again(shm.base(), shm.bytes(), 0); });
+    const std::string msg = thrown_message<InvalidArgument>(
+        [&] { RingReader again(shm.base(), shm.bytes(), 0, shm.tokens()); });
     CHECK(contains(msg, "rank=0"));
     CHECK(contains(msg, "live reader"));
   }
@@ -622,10 +638,10 @@ TEST_CASE("ring rank and writer role are exclusive", "[ring]") {
     Children children;
     const pid_t pid = children.spawn([&] {
       try {
-        RingReader again(shm.base(), shm.bytes(), 0);
+        RingReader again(shm.base(), shm.bytes(), 0, shm.tokens());
       } catch (const InvalidArgument&) {
         // Another rank is still free for this process.
-        RingReader other(shm.base(), shm.bytes(), 1);
+        RingReader other(shm.base(), shm.bytes(), 1, shm.tokens());
         return 0;
       }
       return 1;
@@ -634,29 +650,30 @@ TEST_CASE("ring rank and writer role are exclusive", "[ring]") {
   }
   SECTION("a detached rank is not re-attached") {
     sut.reset();
-    CHECK(contains(
-        thrown_message<InvalidArgument>([&] { RingReader again(shm.base(), shm.bytes(), 0); }),
-        "detached"));
+    CHECK(contains(thrown_message<InvalidArgument>(
+                       [&] { RingReader again(shm.base(), shm.bytes(), 0, shm.tokens()); }),
+                   "detached"));
   }
   SECTION("a rank outside n_readers throws OutOfRange") {
-    CHECK(contains(thrown_message<OutOfRange>([&] { RingReader r(shm.base(), shm.bytes(), 2); }),
-                   "rank=2"));
+    CHECK(contains(
+        thrown_message<OutOfRange>([&] { RingReader r(shm.base(), shm.bytes(), 2, shm.tokens()); }),
+        "rank=2"));
   }
   SECTION("a second writer throws; the role is free again after the first is gone") {
-    auto writer = std::make_unique<RingWriter>(shm.base(), shm.bytes());
-    CHECK(contains(
-        thrown_message<InvalidArgument>([&] { RingWriter again(shm.base(), shm.bytes()); }),
-        "writer role"));
+    auto writer = std::make_unique<RingWriter>(shm.base(), shm.bytes(), shm.tokens());
+    CHECK(contains(thrown_message<InvalidArgument>(
+                       [&] { RingWriter again(shm.base(), shm.bytes(), shm.tokens()); }),
+                   "writer role"));
     REQUIRE(writer->acquire(0) != nullptr);
     writer->publish(1, 0);
     writer.reset();
-    RingWriter next(shm.base(), shm.bytes());
+    RingWriter next(shm.base(), shm.bytes(), shm.tokens());
     CHECK(next.published() == 1);  // Numbering resumes after the last published message.
   }
   SECTION("a writer takes over from a dead writer") {
     Children children;
     const pid_t pid = children.spawn([&] {
-      RingWriter writer(shm.base(), shm.bytes());
+      RingWriter writer(shm.base(), shm.bytes(), shm.tokens());
       for (int i = 0; i < 3; ++i) {
         if (writer.acquire(0) == nullptr) return 1;
         writer.publish(1, 0);
@@ -664,7 +681,7 @@ TEST_CASE("ring rank and writer role are exclusive", "[ring]") {
       _exit(0);  // Dies holding the role: no destructor gives it back.
     });
     REQUIRE(children.wait_exit(pid, 10000) == 0);
-    RingWriter writer(shm.base(), shm.bytes());
+    RingWriter writer(shm.base(), shm.bytes(), shm.tokens());
     CHECK(writer.published() == 3);
   }
 }
@@ -675,8 +692,8 @@ TEST_CASE("ring misuse is reported, not crashed on", "[ring]") {
   config.max_chunks = 2;
   config.max_chunk_bytes = 64;
   SharedRing shm(config);
-  RingWriter sut(shm.base(), shm.bytes());
-  RingReader reader(shm.base(), shm.bytes(), 0);
+  RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
+  RingReader reader(shm.base(), shm.bytes(), 0, shm.tokens());
   const uint8_t* data = nullptr;
   uint64_t n = 0;
   uint32_t flags = 0;
@@ -715,8 +732,8 @@ TEST_CASE("ring_validate rejects garbage and too-small blocks", "[ring]") {
     const size_t small = shm.bytes() - 1;
     CHECK(contains(thrown_message<InvalidArgument>([&] { ring_validate(shm.base(), small); }),
                    "bytes=" + std::to_string(small)));
-    CHECK_THROWS_AS(RingReader(shm.base(), small, 0), InvalidArgument);
-    CHECK_THROWS_AS(RingWriter(shm.base(), small), InvalidArgument);
+    CHECK_THROWS_AS(RingReader(shm.base(), small, 0, shm.tokens()), InvalidArgument);
+    CHECK_THROWS_AS(RingWriter(shm.base(), small, shm.tokens()), InvalidArgument);
   }
   SECTION("random bytes") {
     const uint64_t seed = seed_for_test();
@@ -726,7 +743,7 @@ TEST_CASE("ring_validate rejects garbage and too-small blocks", "[ring]") {
     for (size_t i = 0; i < shm.bytes(); ++i) p[i] = static_cast<uint8_t>(rng());
     CHECK(contains(thrown_message<InvalidArgument>([&] { ring_validate(shm.base(), shm.bytes()); }),
                    "not a ring"));
-    CHECK_THROWS_AS(RingReader(shm.base(), shm.bytes(), 0), InvalidArgument);
+    CHECK_THROWS_AS(RingReader(shm.base(), shm.bytes(), 0, shm.tokens()), InvalidArgument);
   }
   SECTION("a zeroed block") {
     std::memset(shm.base(), 0, shm.bytes());
