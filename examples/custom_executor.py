@@ -7,7 +7,7 @@ there is one (the arena pins its pages, so that copy is a DMA) or into a host bu
 otherwise, and reports its timing back. The engine prints per-step timings and the arena's
 counters.
 
-    python examples/custom_executor.py --workers 2 --steps 5 --mib 16
+    python examples/custom_executor.py --workers 2 --steps 5 --mib 16 [--start-method fork]
 
 Only abstract ``ipc://@`` sockets and shared memory are used: nothing leaves this machine.
 """
@@ -59,11 +59,18 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     p.add_argument("--steps", type=int, default=5, help="messages to broadcast (default 5)")
     p.add_argument("--mib", type=int, default=16, help="tensor size in MiB (default 16)")
+    p.add_argument(
+        "--start-method",
+        choices=("spawn", "fork"),
+        default="spawn",
+        help="how workers are started (default spawn; fork children inherit the engine's queue "
+        "and must leave it alone)",
+    )
     args = p.parse_args()
     n = args.workers
 
     mq = MessageQueue(n, n, enable_shm_tensor_arena=True)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(args.start_method)
     replies = ctx.Queue()
     procs = [
         ctx.Process(target=worker_main, args=(mq.export_handle(), r, replies), daemon=True)

@@ -559,6 +559,10 @@ class MessageQueue:
         if self._shutdown.is_set():
             return
         self._shutdown.set()
+        if os.getpid() != self._pid:
+            # A forked child's inherited copy: the ring, the sockets, the arena and their names
+            # are the parent's; shutting them down here would stop the parent's queue.
+            return
         if self._is_writer and self._ring is not None:
             self._ring.shutdown()
             # Idempotent; covers a queue shut down before wait_until_ready unlinked the name.

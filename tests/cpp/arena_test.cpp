@@ -3,16 +3,23 @@
 #include "core/arena.h"
 
 #include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -769,4 +776,452 @@ TEST_CASE("debug checksums catch a payload changed before release", "[arena]") {
   r1->acquire(b->record, b->generation, buf.size());
   r1->release(b->record, b->generation);
   CHECK(r1->checksum_mismatches() == 1);  // off: not checked
+}
+
+// ---------------------------------------------------------------------------------------
+// Safety: a live reader's record is never recycled, whatever the writer can or cannot see of
+// it; nothing in shared memory can move a process outside its mappings.
+
+namespace {
+
+// One slot, one reader: the writer can write again only after recycling what the reader holds.
+ArenaConfig one_slot(const std::string& dir) {
+  ArenaConfig cfg = small_config(1, 1, 4096);
+  cfg.dir = dir;
+  return cfg;
+}
+
+// Tries a write for about `ms` milliseconds (liveness is probed at most once a millisecond).
+std::optional<Allocation> write_within(ArenaWriter& w, int ms) {
+  uint8_t v = 9;
+  for (int i = 0; i < ms; ++i) {
+    auto a = w.write(&v, 1);
+    if (a) return a;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return std::nullopt;
+}
+
+// The reader's side of the holding tests: attach `name` as rank 0, acquire `a`, check its byte,
+// say 'h' on `ready_fd`. Returns false on any failure.
+bool attach_and_hold(const std::string& name, const std::string& dir, const Allocation& a,
+                     int ready_fd, std::shared_ptr<ArenaReader>* out) {
+  try {
+    auto r = ArenaReader::attach(name, 0, dir);
+    const uint8_t* p = r->acquire(a.record, a.generation, a.nbytes);
+    if (a.nbytes > 0 && *p != 7) return false;
+    *out = r;
+    return ::write(ready_fd, "h", 1) == 1;
+  } catch (...) {
+    return false;
+  }
+}
+
+// Runs `body` as pid 1 of a new pid namespace (and mount namespace: with a fresh /proc of its
+// own when `own_proc`, else the parent's /proc). Returns {middle, inner} pids as this process
+// sees them, or {-1, -1} when this process may not create namespaces.
+std::pair<pid_t, pid_t> spawn_in_pid_namespace(bool own_proc, const std::function<void()>& body) {
+  int p[2];
+  if (::pipe(p) != 0) return {-1, -1};
+  pid_t middle = ::fork();
+  if (middle == 0) {
+    ::close(p[0]);
+    if (::unshare(CLONE_NEWPID | CLONE_NEWNS) != 0) ::_exit(77);
+    pid_t inner = ::fork();
+    if (inner == 0) {
+      ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr);
+      if (own_proc && ::mount("proc", "/proc", "proc", 0, nullptr) != 0) ::_exit(78);
+      body();
+      ::_exit(0);
+    }
+    if (::write(p[1], &inner, sizeof(inner)) != sizeof(inner)) ::_exit(2);
+    int st = 0;
+    ::waitpid(inner, &st, 0);
+    ::_exit(0);
+  }
+  ::close(p[1]);
+  pid_t inner = -1;
+  if (::read(p[0], &inner, sizeof(inner)) != sizeof(inner)) {
+    ::close(p[0]);
+    vsa_test::wait_child(middle);
+    return {-1, -1};
+  }
+  ::close(p[0]);
+  return {middle, inner};
+}
+
+}  // namespace
+
+TEST_CASE("a writer out of file descriptors never declares a live reader dead",
+          "[arena][liveness][faults]") {
+  vsa_test::TempDir dir;
+  pid_t w = ::fork();
+  if (w == 0) {
+    auto sut = ArenaWriter::create(one_slot(dir.path()));
+    uint8_t v = 7;
+    auto a = sut->write(&v, 1);
+    int p[2];
+    if (!a || ::pipe(p) != 0) ::_exit(2);
+    pid_t r = ::fork();
+    if (r == 0) {
+      std::shared_ptr<ArenaReader> held;
+      if (!attach_and_hold(sut->name(), dir.path(), *a, p[1], &held)) ::_exit(3);
+      for (;;) ::pause();
+    }
+    char c;
+    if (::read(p[0], &c, 1) != 1) ::_exit(4);
+    struct rlimit rl;
+    ::getrlimit(RLIMIT_NOFILE, &rl);
+    rl.rlim_cur = 64;
+    ::setrlimit(RLIMIT_NOFILE, &rl);
+    while (::dup(0) >= 0) {
+    }
+    // The reader lives: its record must not be recycled, EMFILE or not.
+    int rc = write_within(*sut, 20) ? 5 : 0;
+    if (sut->stats().dead_readers != 0) rc = 6;
+    ::kill(r, SIGKILL);
+    ::waitpid(r, nullptr, 0);
+    ::_exit(rc);
+  }
+  int st = vsa_test::wait_child(w);
+  CHECK(vsa_test::exited_ok(st));
+  INFO("writer child status " << st);
+}
+
+TEST_CASE("a reader whose main thread exited keeps its records", "[arena][liveness]") {
+  vsa_test::TempDir dir;
+  auto sut = ArenaWriter::create(one_slot(dir.path()));
+  uint8_t v = 7;
+  auto a = sut->write(&v, 1);
+  REQUIRE(a);
+  int p[2];
+  REQUIRE(::pipe(p) == 0);
+  pid_t r = ::fork();
+  if (r == 0) {
+    static std::shared_ptr<ArenaReader> held;
+    if (!attach_and_hold(sut->name(), dir.path(), *a, p[1], &held)) ::_exit(3);
+    pthread_t th;
+    pthread_create(
+        &th, nullptr,
+        [](void*) -> void* {
+          for (;;) ::pause();
+          return nullptr;
+        },
+        nullptr);
+    ::syscall(SYS_exit, 0);  // the leader ends (state Z) like pthread_exit; the process lives
+  }
+  char c;
+  REQUIRE(::read(p[0], &c, 1) == 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // let the leader exit
+  CHECK_FALSE(write_within(*sut, 20).has_value());
+  CHECK(sut->stats().dead_readers == 0);
+  ::kill(r, SIGKILL);
+  vsa_test::wait_child(r);
+  CHECK(write_within(*sut, 200).has_value());
+  CHECK(sut->stats().dead_readers == 1);
+  ::close(p[0]);
+  ::close(p[1]);
+}
+
+TEST_CASE("readers in another pid namespace: alive while they live, reclaimed once dead",
+          "[arena][liveness][namespaces]") {
+  for (bool own_proc : {true, false}) {
+    DYNAMIC_SECTION((own_proc ? "reader with its own /proc" : "reader with the host's /proc")) {
+      vsa_test::TempDir dir;
+      auto sut = ArenaWriter::create(one_slot(dir.path()));
+      uint8_t v = 7;
+      auto a = sut->write(&v, 1);
+      REQUIRE(a);
+      int p[2];
+      REQUIRE(::pipe(p) == 0);
+      std::string name = sut->name(), path = dir.path();
+      Allocation alloc = *a;
+      auto [middle, inner] = spawn_in_pid_namespace(own_proc, [&] {
+        std::shared_ptr<ArenaReader> held;
+        if (!attach_and_hold(name, path, alloc, p[1], &held)) ::_exit(3);
+        for (;;) ::pause();
+      });
+      if (middle < 0) {
+        WARN("skipped: creating a pid namespace needs root or user namespaces");
+        continue;
+      }
+      char c;
+      REQUIRE(::read(p[0], &c, 1) == 1);
+      CHECK_FALSE(write_within(*sut, 20).has_value());  // alive: never recycled
+      CHECK(sut->stats().dead_readers == 0);
+      ::kill(inner, SIGKILL);
+      vsa_test::wait_child(middle);
+      CHECK(write_within(*sut, 200).has_value());  // dead: reclaimed
+      CHECK(sut->stats().dead_readers == 1);
+      ::close(p[0]);
+      ::close(p[1]);
+    }
+  }
+}
+
+TEST_CASE("without /proc readers stay alive and a second writer is refused",
+          "[arena][liveness][namespaces]") {
+  vsa_test::TempDir dir;
+  pid_t w = ::fork();
+  if (w == 0) {
+    if (::unshare(CLONE_NEWNS) != 0) ::_exit(77);
+    ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr);
+    if (::umount2("/proc", MNT_DETACH) != 0) ::_exit(77);
+    if (::access("/proc/self/stat", F_OK) == 0) ::_exit(77);
+    auto sut = ArenaWriter::create(one_slot(dir.path()));
+    uint8_t v = 7;
+    auto a = sut->write(&v, 1);
+    int p[2];
+    if (!a || ::pipe(p) != 0) ::_exit(2);
+    pid_t r = ::fork();
+    if (r == 0) {
+      std::shared_ptr<ArenaReader> held;
+      if (!attach_and_hold(sut->name(), dir.path(), *a, p[1], &held)) ::_exit(3);
+      for (;;) ::pause();
+    }
+    char c;
+    if (::read(p[0], &c, 1) != 1) ::_exit(4);
+    int rc = 0;
+    if (write_within(*sut, 20)) rc = 5;  // a live reader declared dead
+    try {
+      ArenaWriter::attach(sut->name(), dir.path());
+      rc = 6;  // a second writer admitted while the first lives
+    } catch (const TokenHeld&) {
+    }
+    ::kill(r, SIGKILL);
+    ::waitpid(r, nullptr, 0);
+    if (rc == 0 && !write_within(*sut, 200)) rc = 7;  // a dead reader never reclaimed
+    ::_exit(rc);
+  }
+  int st = vsa_test::wait_child(w);
+  if (WIFEXITED(st) && WEXITSTATUS(st) == 77) {
+    WARN("skipped: unmounting /proc in a private mount namespace needs root");
+    return;
+  }
+  INFO("child status " << st);
+  CHECK(vsa_test::exited_ok(st));
+}
+
+TEST_CASE("a forked child never releases its parent's holds", "[arena][fork]") {
+  vsa_test::TempDir dir;
+  auto sut = ArenaWriter::create(one_slot(dir.path()));
+  auto reader = ArenaReader::attach(sut->name(), 0, dir.path());
+  std::vector<uint8_t> src(4096, 7);
+  auto a = sut->write(src.data(), src.size());
+  REQUIRE(a);
+  const uint8_t* p = reader->acquire(a->record, a->generation, src.size());
+  pid_t child = ::fork();
+  if (child == 0) {
+    // What the child's copies do when they die: release, detach, destroy.
+    reader->release(a->record, a->generation);
+    reader->detach();
+    reader.reset();
+    ::_exit(0);
+  }
+  REQUIRE(vsa_test::exited_ok(vsa_test::wait_child(child)));
+  CHECK_FALSE(write_within(*sut, 20).has_value());  // still held by this process
+  CHECK(std::memcmp(p, src.data(), src.size()) == 0);
+  reader->release(a->record, a->generation);
+  CHECK(write_within(*sut, 20).has_value());
+}
+
+TEST_CASE("a forked child of the writer neither unlinks its name nor writes", "[arena][fork]") {
+  vsa_test::TempDir dir;
+  auto sut = ArenaWriter::create(small_config(1, 2, 4096));
+  pid_t child = ::fork();
+  if (child == 0) {
+    int rc = 0;
+    uint8_t v = 1;
+    try {
+      sut->write(&v, 1);
+      rc = 1;
+    } catch (const InvalidArgument&) {
+    }
+    sut->unlink();
+    sut.reset();
+    ::_exit(rc);
+  }
+  CHECK(vsa_test::exited_ok(vsa_test::wait_child(child)));
+  CHECK(name_exists(*sut));
+  uint8_t v = 1;
+  CHECK(sut->write(&v, 1).has_value());
+}
+
+TEST_CASE("tables are reserved at creation: a full tmpfs never raises SIGBUS", "[arena][faults]") {
+  vsa_test::TempDir small(16 << 20);
+  if (!small.mounted()) {
+    WARN("skipped: mounting a small tmpfs needs root (CAP_SYS_ADMIN)");
+    return;
+  }
+  // Tables span many pages: 1024 records x 64 B, 4 readers' release blocks of 8 KiB.
+  ArenaConfig cfg;
+  cfg.policy = PolicyKind::kVariable;
+  cfg.n_readers = 4;
+  cfg.arena_bytes = 8 << 20;
+  cfg.max_records = 1024;
+  cfg.dir = small.path();
+  auto sut = ArenaWriter::create(cfg);
+  {
+    int fd = ::open((cfg.dir + "/filler").c_str(), O_CREAT | O_RDWR, 0600);
+    REQUIRE(fd >= 0);
+    off_t want = 16 << 20;
+    while (want > 0 && ::fallocate(fd, 0, 0, want) != 0) want -= 64 << 10;
+    ::close(fd);
+  }
+  pid_t child = ::fork();
+  if (child == 0) {
+    std::vector<std::shared_ptr<ArenaReader>> readers;
+    for (uint32_t r = 0; r < 4; ++r)
+      readers.push_back(ArenaReader::attach(sut->name(), r, cfg.dir));
+    for (uint32_t rec = 0; rec < 1024; rec += 97) {
+      for (auto& r : readers) r->release_unacquired(rec, 1);
+    }
+    ::_exit(0);
+  }
+  int st = vsa_test::wait_child(child);
+  INFO("reader child status " << st << (WIFSIGNALED(st) ? " (killed by a signal)" : ""));
+  CHECK(vsa_test::exited_ok(st));
+  uint8_t v = 1;
+  std::optional<Allocation> a;
+  CHECK_NOTHROW(a = sut->write(&v, 1));  // a counted decline (no space), or a write
+  if (!a) CHECK(declined(sut->stats(), DeclineReason::kNoSpace) >= 1);
+}
+
+namespace {
+
+RecordMeta* meta_of(ArenaWriter& w, uint32_t record) {
+  auto* h = reinterpret_cast<ArenaHeader*>(w.region()->data());
+  return reinterpret_cast<RecordMeta*>(w.region()->data() + h->records_offset) + record;
+}
+
+// Runs `f` in a child; its exit status (crashes show as signals instead of exit 0).
+int in_child(const std::function<int()>& f) {
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    int rc = 10;
+    try {
+      rc = f();
+    } catch (...) {
+      rc = 11;
+    }
+    ::_exit(rc);
+  }
+  return vsa_test::wait_child(pid);
+}
+
+}  // namespace
+
+TEST_CASE("corrupted shared memory gives typed errors, never an access outside the mapping",
+          "[arena][faults]") {
+  vsa_test::TempDir dir;
+  ArenaConfig cfg = small_config(1, 2, 8192);
+  cfg.dir = dir.path();
+  auto sut = ArenaWriter::create(cfg);
+  auto reader = ArenaReader::attach(sut->name(), 0, dir.path());
+  std::vector<uint8_t> src(8192, 7);
+  auto a = sut->write(src.data(), src.size());
+  REQUIRE(a);
+  auto* h = reinterpret_cast<ArenaHeader*>(sut->region()->data());
+  RecordMeta* m = meta_of(*sut, a->record);
+
+  SECTION("an offset past the end of the region (the bound check must not wrap)") {
+    m->offset = h->region_bytes + 4096;
+    m->capacity = 4096;
+    m->nbytes = 16;
+    CHECK_THROWS_AS(reader->acquire(a->record, a->generation, 16), InvalidArgument);
+  }
+  SECTION("a header rewritten after attach is never re-read") {
+    // (Run in this process: a forked child may not use its parent's reader. Before the
+    // geometry was kept privately, this crashed the test binary.)
+    h->max_records = kMaxRecords;
+    h->records_offset = 1ull << 40;
+    h->releases_offset = 1ull << 41;
+    h->data_offset = 1ull << 42;
+    const uint8_t* p = reader->acquire(a->record, a->generation, src.size());
+    CHECK(std::memcmp(p, src.data(), src.size()) == 0);
+    reader->release(a->record, a->generation);
+    CHECK_THROWS_AS(reader->acquire(5000, 1, 1), OutOfRange);
+  }
+  SECTION("a held record keeps the metadata it was validated with") {
+    reader->acquire(a->record, a->generation, 16);
+    m->nbytes = 1ull << 40;
+    m->offset = 0;
+    CHECK_THROWS_AS(reader->acquire(a->record, a->generation, 1 << 20), InvalidArgument);
+    const uint8_t* p = reader->acquire(a->record, a->generation, src.size());
+    CHECK(std::memcmp(p, src.data(), src.size()) == 0);
+  }
+  SECTION("debug checksums at release use the held copy") {
+    sut->set_debug_checksum(true);
+    auto b = sut->write(src.data(), src.size());
+    REQUIRE(b);
+    RecordMeta* mb = meta_of(*sut, b->record);
+    reader->acquire(b->record, b->generation, src.size());
+    mb->offset = 1ull << 50;
+    mb->nbytes = 1ull << 40;
+    reader->release(b->record, b->generation);
+    CHECK(reader->checksum_mismatches() == 0);
+  }
+}
+
+TEST_CASE("a takeover over corrupted records stays inside the mapping", "[arena][faults]") {
+  vsa_test::TempDir dir;
+  int p[2];
+  REQUIRE(::pipe(p) == 0);
+  pid_t old_writer = ::fork();
+  if (old_writer == 0) {
+    ArenaConfig cfg;
+    cfg.policy = PolicyKind::kVariable;
+    cfg.n_readers = 1;
+    cfg.arena_bytes = 1 << 20;
+    cfg.max_records = 8;
+    cfg.dir = dir.path();
+    auto w = ArenaWriter::create(cfg);
+    uint8_t v = 1;
+    for (int i = 0; i < 3; ++i) w->write(&v, 1);
+    RecordMeta* m0 = meta_of(*w, 0);
+    m0->offset = ~0ull - 100;  // wraps if added to anything
+    m0->capacity = 1ull << 30;
+    RecordMeta* m1 = meta_of(*w, 1);
+    m1->capacity = 1ull << 40;  // runs past the region
+    std::string name = w->name();
+    if (::write(p[1], name.data(), name.size()) != static_cast<ssize_t>(name.size())) ::_exit(2);
+    ::_exit(0);  // dies as the writer: the name stays for a takeover
+  }
+  ::close(p[1]);
+  char buf[256];
+  ssize_t n = ::read(p[0], buf, sizeof(buf));
+  ::close(p[0]);
+  REQUIRE(n > 0);
+  std::string name(buf, static_cast<size_t>(n));
+  REQUIRE(vsa_test::exited_ok(vsa_test::wait_child(old_writer)));
+  int st = in_child([&] {
+    auto w = ArenaWriter::attach(name, dir.path());
+    std::vector<uint8_t> big(512 << 10, 3);
+    for (int i = 0; i < 20; ++i) {
+      auto a = w->write(big.data(), big.size());
+      if (a) w->abort(*a);
+    }
+    return w->stats().in_use <= 1 ? 0 : 1;  // only the intact record 2 is still published
+  });
+  INFO("takeover child status " << st);
+  CHECK(vsa_test::exited_ok(st));
+  ::unlink((dir.path() + "/" + name).c_str());
+}
+
+TEST_CASE("a segment of another user is refused at attach", "[arena][faults]") {
+  if (::geteuid() != 0) {
+    WARN("skipped: chown to another uid needs root");
+    return;
+  }
+  vsa_test::TempDir dir;
+  ArenaConfig cfg = small_config(1, 1, 4096);
+  cfg.dir = dir.path();
+  auto sut = ArenaWriter::create(cfg);
+  REQUIRE(::chown((dir.path() + "/" + sut->name()).c_str(), 65534, 65534) == 0);
+  try {
+    ArenaReader::attach(sut->name(), 0, dir.path());
+    FAIL("attached a segment owned by uid 65534");
+  } catch (const InvalidArgument& e) {
+    CHECK(std::string(e.what()).find("uid 65534") != std::string::npos);
+  }
 }

@@ -797,3 +797,54 @@ TEST_CASE("ring_bytes and ring_init reject bad shapes", "[ring]") {
       "too small"));
   CHECK_THROWS_AS(ring_init(nullptr, ring_bytes(ok), ok), InvalidArgument);
 }
+
+TEST_CASE("ring reader gets a typed error for a corrupted chunk length", "[ring][faults]") {
+  RingConfig config;
+  config.n_readers = 1;
+  config.max_chunks = 2;
+  config.max_chunk_bytes = 64;
+  SharedRing shm(config);
+  RingWriter writer(shm.base(), shm.bytes(), shm.tokens());
+  RingReader sut(shm.base(), shm.bytes(), 0, shm.tokens());
+  REQUIRE(writer.acquire(0) != nullptr);
+  writer.publish(8, 0);
+  // ChunkSlot 0 (seq, then nbytes) follows the 256-byte header and one reader slot.
+  auto* nbytes = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(shm.base()) + 256 + 64 + 8);
+  REQUIRE(*nbytes == 8);
+  *nbytes = uint64_t{1} << 40;  // another process scribbled over the chunk table
+  const uint8_t* data = nullptr;
+  uint64_t n = 0;
+  uint32_t flags = 0;
+  CHECK(contains(thrown_message<ShmError>([&] { sut.acquire(0, &data, &n, &flags); }), "corrupt"));
+}
+
+TEST_CASE("ring reader notices a dead writer", "[ring][liveness]") {
+  RingConfig config;
+  config.n_readers = 1;
+  config.max_chunks = 4;
+  config.max_chunk_bytes = 64;
+  SharedRing shm(config);
+  RingReader sut(shm.base(), shm.bytes(), 0, shm.tokens());
+  const uint8_t* data = nullptr;
+  uint64_t n = 0;
+  uint32_t flags = 0;
+  // No writer has attached yet: waiting is not an error.
+  CHECK(sut.acquire(150 * kMs, &data, &n, &flags) == Status::kTimeout);
+  Children children;
+  const pid_t pid = children.spawn([&] {
+    RingWriter writer(shm.base(), shm.bytes(), shm.tokens());
+    if (writer.acquire(0) == nullptr) return 1;
+    writer.publish(3, 7);
+    _exit(0);  // dies holding the role, without shutdown
+  });
+  REQUIRE(children.wait_exit(pid, 10000) == 0);
+  // Its message is still delivered; then the death is reported well before the timeout.
+  REQUIRE(sut.acquire(kLongNs, &data, &n, &flags) == Status::kOk);
+  CHECK(n == 3);
+  sut.release();
+  const auto t0 = Clock::now();
+  CHECK(sut.acquire(kLongNs, &data, &n, &flags) == Status::kWriterDead);
+  CHECK(elapsed_ms(t0) < 5000);
+  std::printf("ring_test: dead writer noticed in %lld ms\n",
+              static_cast<long long>(elapsed_ms(t0)));
+}

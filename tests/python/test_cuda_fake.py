@@ -9,6 +9,7 @@ torch.cuda.is_initialized() would flip on a GPU machine.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import subprocess
 import sys
@@ -156,3 +157,61 @@ def test_process_without_context_never_calls_runtime():
     )
     assert out.returncode == 0, out.stderr
     assert "calls 0" in out.stdout
+
+
+def test_dropping_the_arena_before_its_last_pinned_tensor_keeps_the_gate(fake, context):
+    """The arena (or its queue) is dropped first, then the last pinned tensor dies with no
+    event recorded for it: a non_blocking H2D may still read the slot, so the rank stays
+    attached and the memory registered; the writer may not reuse the slot."""
+    w, r = _pair(num_slots=1)
+    fake.fake_cudart_hold_events(1)
+    t = _get(w, r)
+    ptr = ctypes.c_void_p(t.data_ptr())
+    del r
+    gc.collect()
+    del t
+    gc.collect()
+    assert w.write_tensor(torch.zeros(16, dtype=torch.uint8)) is None
+    assert fake.fake_cudart_is_registered(ptr, ctypes.c_size_t(SLOT)) == 1
+    assert w.stats()["holdings"][0]["state"] == "attached"
+
+
+def test_pinning_on_a_full_shm_dir_fails_cleanly_and_stays_unpinned(fake, context, tmp_path):
+    """cudaHostRegister faults in every page of the data region; on a tmpfs too full to back
+    them that would be a SIGBUS. The reader backs them first and, when it cannot, stays
+    unpinned (the tensor still arrives, byte-exact)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    rc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)]).returncode
+    if rc != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        w = ShmTensorArena.create(1, num_slots=2, slot_bytes=SLOT, shm_dir=str(mnt))
+        r = ShmTensorArena.attach(w.handle(), 0)
+        src = torch.full((SLOT,), 5, dtype=torch.uint8)
+        slot, gen = w._write(src)  # backs slot 0 only
+        with open(mnt / "filler", "wb") as f:  # someone else fills the rest
+            try:
+                os.posix_fallocate(f.fileno(), 0, 16 << 20)
+            except OSError:
+                size = 16 << 20
+                while size > 0:
+                    try:
+                        os.posix_fallocate(f.fileno(), 0, size)
+                        break
+                    except OSError:
+                        size -= 64 << 10
+        t = r.get_tensor(slot, SLOT, torch.uint8, (SLOT,), generation=gen)
+        assert torch.equal(t, src)
+        st = r.stats()
+        assert st["pin_failed"] is True and st["pin_no_space"] is True
+        assert st["pinned_bytes"] == 0
+        assert fake.fake_cudart_register_calls() == 0
+        del t
+        assert w.write_tensor(torch.zeros(16, dtype=torch.uint8)) is not None  # unpinned: freed
+        r.close()
+        w.close()
+        del r, w
+        gc.collect()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])

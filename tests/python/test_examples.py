@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -26,8 +28,21 @@ def _run_example(name: str, *args: str) -> str:
     return p.stdout
 
 
-def test_custom_executor():
-    out = _run_example("custom_executor.py", "--workers", "2", "--steps", "3", "--mib", "9")
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_custom_executor(start_method):
+    """Workers started either way see every tensor byte-exact and leave the engine's queue
+    (which fork children inherit) alone."""
+    out = _run_example(
+        "custom_executor.py",
+        "--workers",
+        "2",
+        "--steps",
+        "3",
+        "--mib",
+        "9",
+        "--start-method",
+        start_method,
+    )
     for step in range(3):
         assert re.search(rf"^step {step}: enqueue .* ms, .*, ok$", out, re.M), out
     # Every 9 MiB tensor went through the arena, none fell back.
