@@ -23,6 +23,7 @@
 #include "core/pin_registry.h"
 #include "core/release_gate.h"
 #include "core/ring.h"
+#include "core/stale_segments.h"
 
 #ifndef VSA_TORCH_VERSION
 #define VSA_TORCH_VERSION "unknown"
@@ -969,6 +970,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("n_readers"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("arena_bytes") = 0,
       py::arg("max_allocations") = 1024);
+  // Removes stale arena/ring segments (writer provably dead) -> [(name, kind, writer, removed,
+  // why)]; with dry_run nothing is removed.
+  m.def(
+      "remove_stale_segments",
+      [](const std::string& dir, bool dry_run) {
+        std::vector<SegmentReport> reports;
+        {
+          py::gil_scoped_release nogil;
+          reports = remove_stale_segments(dir, dry_run);
+        }
+        py::list out;
+        for (const SegmentReport& r : reports) {
+          out.append(py::make_tuple(r.name, r.kind, liveness_name(r.writer), r.removed, r.why));
+        }
+        return out;
+      },
+      py::arg("dir"), py::arg("dry_run") = false);
   // Whether the process has a CUDA runtime loaded that the shim can use (never loads one).
   m.def("cuda_runtime_found", [] { return CudaRuntime::find() != nullptr; });
 }

@@ -18,8 +18,8 @@ namespace vllm_shm_arena {
 namespace detail {
 
 constexpr size_t kCacheLine = 64;
-constexpr uint64_t kRingMagic = 0x474e49525f415356ull;  // "VSA_RING" in little-endian bytes.
-constexpr uint32_t kRingLayoutVersion = 2;              // 2: liveness tokens replace pid identities
+using vllm_shm_arena::kRingLayoutVersion;
+using vllm_shm_arena::kRingMagic;
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free,
               "64-bit atomics are shared between processes; a lock-based one would keep its lock "

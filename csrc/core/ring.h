@@ -70,6 +70,11 @@ struct RingConfig {
   uint64_t max_chunk_bytes = 0;  ///< Largest message that fits in one chunk.
 };
 
+/// A ring's first 12 bytes: this magic number, then the u32 layout version (what the
+/// stale-segment cleaner recognises a ring by).
+constexpr uint64_t kRingMagic = 0x474e49525f415356ull;  // "VSA_RING" in little-endian bytes.
+constexpr uint32_t kRingLayoutVersion = 2;              // 2: liveness tokens replace pids
+
 /// Flag bits the ring carries for the caller, uninterpreted.
 constexpr uint32_t kRingFlagOverflow = 1u << 0;  ///< The payload did not fit; it is on the socket.
 
