@@ -260,10 +260,39 @@ void poll_lingering() {
 /// view dies (after the DMA that reads them, when the memory is pinned).
 class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader> {
  public:
+  /// `expect`: (n_readers, num_slots, slot_bytes, policy) from the caller's handle, checked
+  /// against the header before the rank is claimed; None skips the check.
   TensorArenaReader(const std::string& name, uint32_t rank, const std::string& dir,
-                    uint64_t pin_chunk_bytes)
-      : reader_(ArenaReader::attach(name, rank, dir.empty() ? ShmRegion::default_dir() : dir)),
+                    uint64_t pin_chunk_bytes, const py::object& expect)
+      : reader_(ArenaReader::attach(name, rank, dir.empty() ? ShmRegion::default_dir() : dir,
+                                    geometry_check(name, expect))),
         pin_chunk_bytes_(pin_chunk_bytes) {}
+
+  /// A check of the validated geometry against (n_readers, num_slots, slot_bytes, policy).
+  static std::function<void(const ArenaGeometry&)> geometry_check(const std::string& name,
+                                                                  const py::object& expect) {
+    if (expect.is_none()) return {};
+    auto t = expect.cast<std::tuple<uint32_t, uint32_t, uint64_t, std::string>>();
+    return [name, t](const ArenaGeometry& g) {
+      uint64_t slot = g.policy == PolicyKind::kVariable ? g.data_bytes : g.slot_bytes;
+      std::string policy = g.policy == PolicyKind::kVariable ? "variable" : "fixed";
+      std::string diff;
+      auto cmp = [&diff](const char* what, const std::string& want, const std::string& got) {
+        if (want != got) {
+          diff +=
+              std::string(diff.empty() ? "" : ", ") + what + ": handle " + want + ", arena " + got;
+        }
+      };
+      cmp("n_readers", std::to_string(std::get<0>(t)), std::to_string(g.n_readers));
+      cmp("num_slots", std::to_string(std::get<1>(t)), std::to_string(g.max_records));
+      cmp("slot_bytes", std::to_string(std::get<2>(t)), std::to_string(slot));
+      cmp("policy", std::get<3>(t), policy);
+      if (!diff.empty()) {
+        throw InvalidArgument("arena handle does not match shared memory '" + name + "' (" + diff +
+                              ")");
+      }
+    };
+  }
 
   ~TensorArenaReader() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -880,8 +909,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<TensorArenaReader, std::shared_ptr<TensorArenaReader>>(m, "ArenaReader")
       // Attaches reader `rank` of arena `name`; pins lazily, the whole data region at once
       // (pin_chunk_bytes 0) or in chunks of whole slots.
-      .def(py::init<const std::string&, uint32_t, const std::string&, uint64_t>(), py::arg("name"),
-           py::arg("rank"), py::arg("dir") = "", py::arg("pin_chunk_bytes") = 0)
+      .def(py::init<const std::string&, uint32_t, const std::string&, uint64_t, py::object>(),
+           py::arg("name"), py::arg("rank"), py::arg("dir") = "", py::arg("pin_chunk_bytes") = 0,
+           py::arg("expect") = py::none())
       // Zero-copy tensor over a slot; generation 0 = whatever the slot holds now.
       .def("get_tensor", &TensorArenaReader::get_tensor, py::arg("slot"), py::arg("generation"),
            py::arg("nbytes"), py::arg("dtype"), py::arg("shape"), py::arg("cuda_context"),

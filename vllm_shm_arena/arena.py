@@ -150,7 +150,11 @@ class ShmTensorArena:
         if not isinstance(handle, ArenaHandle):
             raise TypeError(f"expected an ArenaHandle, got {type(handle).__name__}")
         pin_chunk = int(os.environ.get("VLLM_SHM_ARENA_PIN_CHUNK_MB", "0")) << 20
-        r = _C.ArenaReader(handle.name, reader_rank, handle.dir, pin_chunk)
+        # The handle must describe the arena it names (a handle of another arena would attach
+        # silently and resolve stubs against the wrong geometry); checked before the rank is
+        # claimed, so a refused attach leaves the rank as it was.
+        expect = (handle.n_readers, handle.num_slots, handle.slot_bytes, handle.policy)
+        r = _C.ArenaReader(handle.name, reader_rank, handle.dir, pin_chunk, expect)
         arena = cls(reader=r, handle=handle)
         _TENSOR_ARENAS[handle.name] = arena
         return arena

@@ -235,11 +235,13 @@ class MessageQueue:
             self._is_remote_reader = False
             self.local_reader_rank = handle.local_reader_ranks.index(rank)
             name, shm_dir = handle.buffer_handle
-            self._ring = _C.RingReader(name, self.local_reader_rank, shm_dir)
+            # The arena first: a ring rank is claimed once for good, an arena rank that failed
+            # to attach is untouched, so a join that fails here can be retried.
             if handle.tensor_arena_handle is not None:
                 self.arena = ShmTensorArena.attach(
                     handle.tensor_arena_handle, self.local_reader_rank
                 )
+            self._ring = _C.RingReader(name, self.local_reader_rank, shm_dir)
             self.local_socket = self._sub(handle.local_subscribe_addr)
         else:
             self._is_local_reader = False

@@ -641,11 +641,13 @@ ArenaReader::ArenaReader(std::shared_ptr<ShmRegion> region, const ArenaGeometry&
 
 bool ArenaReader::foreign() const { return this_pid() != owner_pid_; }
 
-std::shared_ptr<ArenaReader> ArenaReader::attach(const std::string& name, uint32_t rank,
-                                                 const std::string& dir) {
+std::shared_ptr<ArenaReader> ArenaReader::attach(
+    const std::string& name, uint32_t rank, const std::string& dir,
+    const std::function<void(const ArenaGeometry&)>& check) {
   auto region = ShmRegion::attach(name, dir, kHeaderBytes);
   auto* h = reinterpret_cast<ArenaHeader*>(region->data());
   ArenaGeometry geo = validate_header(h, region->size(), name);
+  if (check) check(geo);
   if (rank >= geo.n_readers) {
     throw OutOfRange("reader_rank " + std::to_string(rank) + " out of range [0, " +
                      std::to_string(geo.n_readers) + ") for arena '" + name + "'");

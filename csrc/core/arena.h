@@ -20,6 +20,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -199,8 +200,11 @@ class ArenaReader {
   /// Attaches to `name` as reader `rank`. Validates the header (a garbage, truncated or
   /// foreign segment is rejected), takes the rank's liveness token and refuses a rank another
   /// live process (or object) holds, or a token this process cannot take.
-  static std::shared_ptr<ArenaReader> attach(const std::string& name, uint32_t rank,
-                                             const std::string& dir = ShmRegion::default_dir());
+  /// `check`, if given, sees the validated geometry before the rank is claimed and may throw
+  /// (a handle that names another arena must fail without touching the rank).
+  static std::shared_ptr<ArenaReader> attach(
+      const std::string& name, uint32_t rank, const std::string& dir = ShmRegion::default_dir(),
+      const std::function<void(const ArenaGeometry&)>& check = {});
   ~ArenaReader();
 
   /// Validates a stub and pins the record for this reader: record in range, generation

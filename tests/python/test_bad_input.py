@@ -186,3 +186,33 @@ def test_bad_input_raises_typed_error(child_results, case):
     for part in want_parts:
         part = part.replace("<NAME>", res["name"] or "<missing NAME line>")
         assert part in res["msg"], (part, res)
+
+
+def test_a_handle_is_checked_against_the_arena_it_names(tmp_path):
+    """A handle whose geometry differs from the arena's header is refused, naming the field,
+    and the refused attach leaves the rank free for the right handle."""
+    import dataclasses
+
+    import torch
+
+    from vllm_shm_arena import ShmTensorArena
+
+    w = ShmTensorArena.create(2, num_slots=2, slot_bytes=1 << 20, shm_dir=str(tmp_path))
+    good = w.handle()
+    queued = torch.arange(1024, dtype=torch.int32)
+    slot = w.write_tensor(queued)  # already sent to rank 0, which has not attached yet
+    for field, value in (
+        ("n_readers", 3),
+        ("num_slots", 8),
+        ("slot_bytes", 4096),
+        ("policy", "variable"),
+    ):
+        bad = dataclasses.replace(good, **{field: value})
+        with pytest.raises(ValueError, match=field):
+            ShmTensorArena.attach(bad, 0)
+    assert w.stats()["holdings"][0]["state"] == "never_attached"  # the rank is untouched
+    r = ShmTensorArena.attach(good, 0)
+    assert r.num_slots == 2
+    assert torch.equal(r.get_tensor(slot, queued.nbytes, torch.int32, queued.shape), queued)
+    r.close()
+    w.close()

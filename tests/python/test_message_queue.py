@@ -655,3 +655,23 @@ def test_inplace_write_to_arena_tensor_is_visible_to_other_readers(seed, kids, w
     assert torch.equal(t[:100], torch.arange(100, dtype=torch.int32)), "writer's copy changed"
     kids.join_all(10)
     gc.collect()
+
+
+def test_a_join_with_a_bad_arena_handle_does_not_burn_the_rank():
+    """create_from_handle with a handle naming a missing arena fails clearly; the same rank
+    then joins with the right handle and receives messages."""
+    import dataclasses
+
+    mq = MessageQueue(1, 1, enable_shm_tensor_arena=True)
+    good = mq.export_handle()
+    bad_arena = dataclasses.replace(good.tensor_arena_handle, name="vsa_" + "0" * 32)
+    with pytest.raises(OSError):
+        MessageQueue.create_from_handle(dataclasses.replace(good, tensor_arena_handle=bad_arena), 0)
+    r = MessageQueue.create_from_handle(good, 0)
+    ready_in_threads(mq, [r])
+    try:
+        mq.enqueue({"t": torch.ones(4 << 20, dtype=torch.uint8)}, timeout=10)
+        assert int(r.dequeue(timeout=10)["t"].sum()) == 4 << 20
+    finally:
+        mq.shutdown()
+        r.shutdown()
