@@ -222,10 +222,13 @@ def run_cell(
     chunk_bytes=16 << 20,
     sources=None,
     workload=None,
+    tag_fn=None,
 ):
     """One (mode, TP, workload) cell: fresh queue and readers, warm-up, then measured
     messages. A message carries one tensor of size_mb, or one per entry of ``sizes``, or
-    the given ``sources`` (named ``workload``); the ring's chunks are ``chunk_bytes``."""
+    the given ``sources`` (named ``workload``); the ring's chunks are ``chunk_bytes``.
+    ``tag_fn(i)``, called before message i, returns a tag; medians per tag go in ``by_tag``
+    (an A/B interleaved inside one cell)."""
     if sources is None:
         sources = [_make_tensor(mb, seed + k) for k, mb in enumerate(sizes or [size_mb])]
     check = [
@@ -241,6 +244,7 @@ def run_cell(
         for i in range(warmup + n_msgs):
             if i == warmup:
                 before = mq.stats().get("arena", {}) if hasattr(mq, "stats") else {}
+            tag = tag_fn(i) if tag_fn is not None else None
             ts = _lend(mq, sources) if mode == "loan" else sources
             msg = {"pixel_values": ts, "step": i, "check": check}
             t0 = time.perf_counter()
@@ -257,6 +261,7 @@ def run_cell(
                         "delivery_ms": (max(a[0] for a in acks) - t0) * 1e3,
                         "consume_ms": (max(a[1] for a in acks) - t0) * 1e3,
                         "dequeue_us": max(a[2] for a in acks) * 1e6,
+                        "tag": tag,
                     }
                 )
             if bar is not None:
@@ -264,7 +269,12 @@ def run_cell(
         writer_stats = mq.stats() if hasattr(mq, "stats") else {"overflow_messages": -1}
     finally:
         reader_stats = _stop_readers(mq, conns, procs)
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    metrics = [k for k in rows[0] if k != "tag"]
+    med = {k: statistics.median(r[k] for r in rows) for k in metrics}
+    by_tag = {}
+    for tag in sorted({r["tag"] for r in rows if r["tag"] is not None}, key=str):
+        sel = [r for r in rows if r["tag"] == tag]
+        by_tag[str(tag)] = {f"{k}_p50": statistics.median(r[k] for r in sel) for k in metrics}
     arena = writer_stats.get("arena", {})
     # Where the measured messages' tensors went: hits minus those of the warm-up.
     hits = arena.get("hits", 0) - before.get("hits", 0) if arena else 0
@@ -290,6 +300,8 @@ def run_cell(
         "overflow_messages": writer_stats["overflow_messages"],
         "reader_overflow": sum(s.get("overflow_messages", 0) for s in reader_stats),
     }
+    if by_tag:
+        cell["by_tag"] = by_tag
     return cell
 
 
@@ -632,6 +644,87 @@ def machine_info() -> dict:
     }
 
 
+def copy_threads_main(args, argv) -> int:
+    """--copy-threads-ab: arena cells in which the writer's copy alternates, message by
+    message (ABBA), between one thread and N threads: the same readers, queue and minute of
+    this shared machine for both. Writes results/copy_threads_ab.{json,md}."""
+    n = args.copy_threads_ab
+    tps = args.tp or [1, 2]
+    sizes = args.sizes or [16, 64, 200]
+    cells = []
+    for size in sizes:
+        for tp in tps:
+
+            def tag_fn(i, n=n):
+                t = 1 if i % 4 in (0, 3) else n
+                _C.set_copy_threads(t)
+                return t
+
+            c = run_cell(
+                "arena",
+                tp,
+                size,
+                args.messages,
+                args.warmup,
+                args.seed,
+                None,
+                args.consume,
+                tag_fn=tag_fn,
+            )
+            _C.set_copy_threads(0)
+            one, many = c["by_tag"]["1"], c["by_tag"][str(n)]
+            c["one_over_n"] = {
+                k: one[f"{k}_p50"] / many[f"{k}_p50"]
+                for k in ("enqueue_ms", "delivery_ms", "consume_ms")
+            }
+            cells.append(c)
+            r = c["one_over_n"]
+            print(
+                f"{size:>6g} MiB TP={tp}: 1 thread / {n} threads = enqueue "
+                f"{r['enqueue_ms']:.2f}, delivery {r['delivery_ms']:.2f}, "
+                f"consume {r['consume_ms']:.2f} (delivery ms: {one['delivery_ms_p50']:.2f}"
+                f" vs {many['delivery_ms_p50']:.2f})",
+                flush=True,
+            )
+    result = {
+        "command": " ".join(["python", "benchmarks/broadcast_ab.py", *(argv or sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "seed": args.seed,
+        "messages": args.messages,
+        "warmup": args.warmup,
+        "machine": machine_info(),
+        "n_threads": n,
+        "cells": cells,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "copy_threads_ab.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    lines = [
+        f"# Copy threads A/B ({result['machine']['summary']})",
+        "",
+        f"Run: `{result['command']}` on {result['date']}. Arena cells; the writer's copy uses "
+        f"1 or {n} threads, alternating per message (ABBA) inside each cell; medians over "
+        f"{args.messages // 2} messages each after {args.warmup} warm-up. Ratio > 1: {n} "
+        "threads faster. Shared, noisy machine: read the ratios.",
+        "",
+        f"| MiB | TP | delivery ms, 1 thread | delivery ms, {n} threads | enqueue 1/{n} "
+        f"| delivery 1/{n} | consume 1/{n} |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in cells:
+        one, many = c["by_tag"]["1"], c["by_tag"][str(n)]
+        r = c["one_over_n"]
+        lines.append(
+            f"| {_mib(c['tensor_bytes'])} | {c['tp']} | {one['delivery_ms_p50']:.2f} "
+            f"| {many['delivery_ms_p50']:.2f} | {r['enqueue_ms']:.2f} | **{r['delivery_ms']:.2f}** "
+            f"| {r['consume_ms']:.2f} |"
+        )
+    with open(os.path.join(args.out, "copy_threads_ab.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {args.out}/copy_threads_ab.{{json,md}}")
+    return 0
+
+
 def threshold_main(args, argv) -> int:
     """--threshold: the threshold cells alone -> results/threshold/threshold.{json,md}."""
     tps = args.tp or THRESHOLD_TPS
@@ -704,6 +797,13 @@ def main(argv=None) -> int:
         default=None,
         help="force the copy pool's thread count (default: automatic sizing)",
     )
+    ap.add_argument(
+        "--copy-threads-ab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="arena cells alternating the writer's copy between 1 and N threads per message",
+    )
     ap.add_argument("--tp", type=int, nargs="+")
     ap.add_argument("--sizes", type=float, nargs="+", help="tensor sizes in MiB")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODE_LABEL))
@@ -730,6 +830,8 @@ def main(argv=None) -> int:
         _C.set_copy_threads(args.copy_threads)  # forked readers inherit it
     if args.threshold:
         return threshold_main(args, argv)
+    if args.copy_threads_ab:
+        return copy_threads_main(args, argv)
     tps = args.tp or ([1, 2, 4, 8] if args.full else [1, 4])
     sizes = args.sizes or ([8, 64, 200] if args.full else [8, 200])
     print(f"seed={args.seed}  TP={tps}  sizes MiB={sizes}  modes={args.modes}", flush=True)
