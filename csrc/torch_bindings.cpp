@@ -369,7 +369,8 @@ uint64_t packed_size(const std::vector<std::pair<const uint8_t*, uint64_t>>& fra
 /// The buffers of one message's frames, held for as long as their bytes are read.
 class FrameViews {
  public:
-  FrameViews() = default;
+  /// Room for `n` views up front: a Py_buffer is never moved once taken.
+  explicit FrameViews(size_t n) { views_.reserve(n); }
   FrameViews(const FrameViews&) = delete;
   FrameViews& operator=(const FrameViews&) = delete;
   ~FrameViews() {
@@ -380,7 +381,7 @@ class FrameViews {
   /// strided or reversed memoryview) is refused: `buf`/`len` would name other bytes than the
   /// frame's, and a reversed view's `buf` points at its last element.
   const Py_buffer& add(py::handle frame, size_t index) {
-    views_.reserve(views_.size() + 1);  // no reallocation between Get and push_back
+    if (views_.size() == views_.capacity()) throw std::logic_error("FrameViews is full");
     Py_buffer v;
     if (PyObject_GetBuffer(frame.ptr(), &v, PyBUF_STRIDES) != 0) {
       PyErr_Clear();
@@ -432,7 +433,7 @@ class MessageRingWriter {
   /// published instead, and the caller must send the message over the socket).
   std::string write(const py::list& frames, uint32_t flags, double timeout_s) {
     // Declared before `nogil` below: the views are released with the GIL held again.
-    FrameViews views;
+    FrameViews views(frames.size());
     std::vector<std::pair<const uint8_t*, uint64_t>> spans;
     for (size_t i = 0; i < frames.size(); ++i) {
       const Py_buffer& v = views.add(frames[i], i);
