@@ -15,8 +15,17 @@ Messages are sent in lock-step (the next one after every reader acknowledged the
 one), so latencies are per message, not queueing effects. Prints ratios, never asserts.
 Results go to benchmarks/results/broadcast_ab.{json,md,png}.
 
-    python benchmarks/broadcast_ab.py            # default: TP {1,4} x {8,200} MiB
-    python benchmarks/broadcast_ab.py --full     # TP {1,2,4,8} x {8,64,200} MiB
+    python benchmarks/broadcast_ab.py              # default: TP {1,4} x {8,200} MiB
+    python benchmarks/broadcast_ab.py --full       # TP {1,2,4,8} x {8,64,200} MiB, plus
+                                                   # the threshold cells below
+    python benchmarks/broadcast_ab.py --threshold  # only the threshold cells (a few minutes)
+
+The threshold cells choose the variable layout's divert threshold: out-of-band vs arena at
+0.25-8 MiB and for uint8 pixel_values shaped like vLLM's (n_patches x 1176), TP {2,4}, with a
+16 MiB ring chunk (every message fits the ring) and a 128 KiB one (every out-of-band message
+overflows to the socket). The arena diverts every tensor there (threshold 0), so each pair of
+cells compares the two paths; the crossover is the smallest size from which the arena
+delivers faster at that size and every larger one. Results: benchmarks/results/threshold/.
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vllm_shm_arena import MessageQueue, message_queue  # noqa: E402
+from vllm_shm_arena import arena as arena_mod  # noqa: E402
+from vllm_shm_arena._ext import _C  # noqa: E402
 
 MODES = ("inband", "oob", "arena", "loan")
 MODE_LABEL = {
@@ -53,6 +64,19 @@ WORKLOADS = {
     "huge": [1024],  # one 1 GiB tensor
 }
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+#: The threshold cells (see the module docstring).
+THRESHOLD_SIZES_MB = [0.25, 0.5, 1, 2, 4, 8]
+THRESHOLD_TPS = [2, 4]
+#: Ring chunk size -> what it means for a 0.25-8 MiB out-of-band message.
+THRESHOLD_CHUNKS = {16 << 20: "ring", 128 << 10: "socket"}
+#: Image sides for the pixel_values workload: 448^2 ~ 1.2 MB, 1024^2 ~ 6.4 MB, 2048^2 ~ 25 MB.
+PIXEL_SIDES = [448, 1024, 2048]
+#: A threshold must leave the arena this much faster (median delivery ratio) at every size
+#: above it: on the shared 2-core machine a single cell's ratio moves by +-0.3 between runs.
+THRESHOLD_MARGIN = 1.25
+#: Bytes per patch of Qwen2-VL's uint8 pixel_values: 14 x 14 pixels x 3 channels x 2 frames.
+PATCH_BYTES = 1176
 
 
 def copies_per_message(mode: str, tp: int) -> int:
@@ -135,27 +159,40 @@ def _stop_readers(mq, conns, procs):
     return stats
 
 
-def _make_tensor(size_mb: int, seed: int) -> torch.Tensor:
+def _make_tensor(size_mb: float, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    n = (size_mb << 20) // 2
+    n = int(size_mb * (1 << 20)) // 2
     return torch.randint(-(2**15), 2**15 - 1, (n,), generator=g, dtype=torch.int16).view(
         torch.bfloat16
     )
 
 
-def _queue(mode: str, tp: int) -> MessageQueue:
+def pixel_patches(side: int) -> int:
+    """Patches of a side x side image after Qwen2-VL's resize (sides rounded to a multiple
+    of 28, then 14 x 14 patches): 1024 -> 74 x 74 = 5476 patches, 6.4 MB as uint8."""
+    per_side = max(1, round(side / 28)) * 2
+    return per_side * per_side
+
+
+def pixel_values(side: int, seed: int) -> torch.Tensor:
+    """Random uint8 pixel_values shaped like vLLM's for one image: (n_patches, 1176)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (pixel_patches(side), PATCH_BYTES), generator=g).to(torch.uint8)
+
+
+def _queue(mode: str, tp: int, chunk_bytes: int = 16 << 20) -> MessageQueue:
     if mode.startswith("vllm-"):
         return _queue_class(mode)(
             tp,
             tp,
-            max_chunk_bytes=16 << 20,
+            max_chunk_bytes=chunk_bytes,
             max_chunks=10,
             enable_shm_tensor_arena=mode == "vllm-arena",
         )
     arena = mode in ("arena", "arena-fixed", "loan")
     message_queue._ARENA_POLICY = "fixed" if mode == "arena-fixed" else "variable"
     mq = MessageQueue(
-        tp, tp, max_chunk_bytes=16 << 20, max_chunks=10, enable_shm_tensor_arena=arena
+        tp, tp, max_chunk_bytes=chunk_bytes, max_chunks=10, enable_shm_tensor_arena=arena
     )
     mq.serialize_inband = mode == "inband"
     return mq
@@ -172,13 +209,34 @@ def _lend(mq: MessageQueue, sources: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def run_cell(mode, tp, size_mb, n_msgs, warmup, seed, bar=None, consume="cpu", sizes=None):
+def run_cell(
+    mode,
+    tp,
+    size_mb,
+    n_msgs,
+    warmup,
+    seed,
+    bar=None,
+    consume="cpu",
+    sizes=None,
+    chunk_bytes=16 << 20,
+    sources=None,
+    workload=None,
+    tag_fn=None,
+):
     """One (mode, TP, workload) cell: fresh queue and readers, warm-up, then measured
-    messages. A message carries one tensor of size_mb, or one per entry of ``sizes``."""
-    sources = [_make_tensor(mb, seed + k) for k, mb in enumerate(sizes or [size_mb])]
-    check = [(int(t.view(torch.uint8)[0]), int(t.view(torch.uint8)[-1])) for t in sources]
+    messages. A message carries one tensor of size_mb, or one per entry of ``sizes``, or
+    the given ``sources`` (named ``workload``); the ring's chunks are ``chunk_bytes``.
+    ``tag_fn(i)``, called before message i, returns a tag; medians per tag go in ``by_tag``
+    (an A/B interleaved inside one cell)."""
+    if sources is None:
+        sources = [_make_tensor(mb, seed + k) for k, mb in enumerate(sizes or [size_mb])]
+    check = [
+        (int(t.reshape(-1).view(torch.uint8)[0]), int(t.reshape(-1).view(torch.uint8)[-1]))
+        for t in sources
+    ]
     nbytes = sum(t.numel() * t.element_size() for t in sources)
-    mq = _queue(mode, tp)
+    mq = _queue(mode, tp, chunk_bytes)
     conns, procs = _start_readers(mq, tp, nbytes, consume)
     rows = []
     try:
@@ -186,6 +244,7 @@ def run_cell(mode, tp, size_mb, n_msgs, warmup, seed, bar=None, consume="cpu", s
         for i in range(warmup + n_msgs):
             if i == warmup:
                 before = mq.stats().get("arena", {}) if hasattr(mq, "stats") else {}
+            tag = tag_fn(i) if tag_fn is not None else None
             ts = _lend(mq, sources) if mode == "loan" else sources
             msg = {"pixel_values": ts, "step": i, "check": check}
             t0 = time.perf_counter()
@@ -202,6 +261,7 @@ def run_cell(mode, tp, size_mb, n_msgs, warmup, seed, bar=None, consume="cpu", s
                         "delivery_ms": (max(a[0] for a in acks) - t0) * 1e3,
                         "consume_ms": (max(a[1] for a in acks) - t0) * 1e3,
                         "dequeue_us": max(a[2] for a in acks) * 1e6,
+                        "tag": tag,
                     }
                 )
             if bar is not None:
@@ -209,7 +269,12 @@ def run_cell(mode, tp, size_mb, n_msgs, warmup, seed, bar=None, consume="cpu", s
         writer_stats = mq.stats() if hasattr(mq, "stats") else {"overflow_messages": -1}
     finally:
         reader_stats = _stop_readers(mq, conns, procs)
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    metrics = [k for k in rows[0] if k != "tag"]
+    med = {k: statistics.median(r[k] for r in rows) for k in metrics}
+    by_tag = {}
+    for tag in sorted({r["tag"] for r in rows if r["tag"] is not None}, key=str):
+        sel = [r for r in rows if r["tag"] == tag]
+        by_tag[str(tag)] = {f"{k}_p50": statistics.median(r[k] for r in sel) for k in metrics}
     arena = writer_stats.get("arena", {})
     # Where the measured messages' tensors went: hits minus those of the warm-up.
     hits = arena.get("hits", 0) - before.get("hits", 0) if arena else 0
@@ -222,8 +287,9 @@ def run_cell(mode, tp, size_mb, n_msgs, warmup, seed, bar=None, consume="cpu", s
         **{f"{k}_p50": v for k, v in med.items()},
         "delivery_ms_min": min(r["delivery_ms"] for r in rows),
         # A declined tensor (e.g. below the 8 MiB threshold) took the out-of-band path.
-        "workload": "single" if sizes is None else f"{len(sizes)}x{sizes[0]}MB",
+        "workload": workload or ("single" if sizes is None else f"{len(sizes)}x{sizes[0]}MB"),
         "tensor_bytes": nbytes,
+        "chunk_bytes": chunk_bytes,
         "fallbacks_per_message": fallbacks / n_msgs,
         "host_bytes_moved": (
             copies_per_message(mode if hits else ("oob" if arena else mode), tp) + tp
@@ -234,12 +300,199 @@ def run_cell(mode, tp, size_mb, n_msgs, warmup, seed, bar=None, consume="cpu", s
         "overflow_messages": writer_stats["overflow_messages"],
         "reader_overflow": sum(s.get("overflow_messages", 0) for s in reader_stats),
     }
+    if by_tag:
+        cell["by_tag"] = by_tag
     return cell
 
 
-def warm_memcpy_ms(size_mb: int, reps: int = 7) -> float:
+def _mib(nbytes: int) -> str:
+    """Bytes as MiB for tables: whole MiB plain, fractions to two places."""
+    mib = nbytes / (1 << 20)
+    return f"{mib:.0f}" if mib >= 10 or mib == int(mib) else f"{mib:.2f}"
+
+
+def threshold_cells(n_msgs, warmup, seed, consume="cpu", tps=None, repeats=1, bar=None):
+    """The threshold cells: per (workload, TP, ring chunk) one out-of-band and one arena cell,
+    back to back, alternating which goes first; the whole sweep ``repeats`` times. The arena
+    diverts every tensor here (variable layout, threshold 0): the question is which path is
+    faster at each size, not what today's threshold does."""
+    # Every one of the ring's 10 chunks written once before measuring: a chunk's first use
+    # pays its page faults, which steady state never sees.
+    warmup = max(warmup, 12)
+    specs = [("small", mb, None) for mb in THRESHOLD_SIZES_MB]
+    specs += [(f"pixel_values {side}x{side}", None, side) for side in PIXEL_SIDES]
+    saved = arena_mod.VARIABLE_MIN_BYTES
+    arena_mod.VARIABLE_MIN_BYTES = 0
+    out, k = [], 0
+    try:
+        for rep in range(repeats):
+            for name, mb, side in specs:
+                sources = [pixel_values(side, seed)] if side else None
+                size_mb = mb if mb else sources[0].numel() / (1 << 20)
+                for tp in tps or THRESHOLD_TPS:
+                    for chunk, transport in THRESHOLD_CHUNKS.items():
+                        modes = ("oob", "arena") if k % 2 == 0 else ("arena", "oob")
+                        k += 1
+                        for mode in modes:
+                            if bar is not None:
+                                bar.set_description(f"{name} {size_mb:g}MB TP={tp} {mode}")
+                            c = run_cell(
+                                mode,
+                                tp,
+                                size_mb,
+                                n_msgs,
+                                warmup,
+                                seed,
+                                bar,
+                                consume,
+                                chunk_bytes=chunk,
+                                sources=sources,
+                                workload=name,
+                            )
+                            c["transport"] = transport
+                            c["repeat"] = rep
+                            out.append(c)
+    finally:
+        arena_mod.VARIABLE_MIN_BYTES = saved
+    return out
+
+
+def threshold_summary(cells) -> dict:
+    """Per (workload, size, TP, chunk): out-of-band / arena for delivery and consume (median
+    over repeats); per (TP, chunk): the crossover, the smallest of the 0.25-8 MiB sizes from
+    which the arena delivers faster at that size and every larger one (None: never)."""
+    rows = {}
+    for c in cells:
+        if c.get("transport") is None:
+            continue
+        key = (c["workload"], c["tensor_bytes"], c["tp"], c["transport"])
+        rows.setdefault(key, {}).setdefault(c["repeat"], {})[c["mode"]] = c
+    table = []
+    for (wl, nbytes, tp, transport), reps in sorted(rows.items(), key=lambda kv: kv[0]):
+        pairs = [r for r in reps.values() if "oob" in r and "arena" in r]
+        if not pairs:
+            continue
+
+        def ratio(metric, pairs=pairs):
+            return statistics.median(
+                p["oob"][f"{metric}_ms_p50"] / p["arena"][f"{metric}_ms_p50"] for p in pairs
+            )
+
+        table.append(
+            {
+                "workload": wl,
+                "tensor_bytes": nbytes,
+                "tp": tp,
+                "transport": transport,
+                "oob_delivery_ms": statistics.median(p["oob"]["delivery_ms_p50"] for p in pairs),
+                "arena_delivery_ms": statistics.median(
+                    p["arena"]["delivery_ms_p50"] for p in pairs
+                ),
+                "delivery_oob_over_arena": ratio("delivery"),
+                # The worst repetition: the arena must win this too to count as a win.
+                "delivery_oob_over_arena_min": min(
+                    p["oob"]["delivery_ms_p50"] / p["arena"]["delivery_ms_p50"] for p in pairs
+                ),
+                "consume_oob_over_arena": ratio("consume"),
+                "oob_overflow_messages": max(p["oob"]["overflow_messages"] for p in pairs),
+                "arena_fallbacks_per_message": max(
+                    p["arena"]["fallbacks_per_message"] for p in pairs
+                ),
+                "repeats": len(pairs),
+            }
+        )
+
+    def first_win(rows, margin):
+        # The smallest size from which the median delivery ratio >= margin at that size and
+        # every larger one.
+        at = None
+        for r in sorted(rows, key=lambda r: r["tensor_bytes"], reverse=True):
+            if r["delivery_oob_over_arena"] < margin:
+                break
+            at = r["tensor_bytes"]
+        return at
+
+    crossover, robust = {}, {}
+    for tp in sorted({r["tp"] for r in table}):
+        for transport in THRESHOLD_CHUNKS.values():
+            small = [
+                r
+                for r in table
+                if (r["workload"], r["tp"], r["transport"]) == ("small", tp, transport)
+            ]
+            crossover[f"TP={tp} {transport}"] = first_win(small, 1.0)
+            robust[f"TP={tp} {transport}"] = first_win(small, THRESHOLD_MARGIN)
+    # The threshold that leaves the arena THRESHOLD_MARGIN faster above it in every measured
+    # (TP, transport): the largest such crossover; 8 MiB (the fixed layout's) if no size
+    # up to 8 MiB qualifies somewhere.
+    found = list(robust.values())
+    fallback = int(THRESHOLD_SIZES_MB[-1] * (1 << 20))
+    suggested = max(found) if found and None not in found else fallback
+    return {
+        "rows": table,
+        "crossover_bytes": crossover,
+        "crossover_margin_bytes": robust,
+        "margin": THRESHOLD_MARGIN,
+        "suggested_min_bytes": int(suggested),
+    }
+
+
+def write_threshold_outputs(result: dict, out_dir: str) -> None:
+    """benchmarks/results/threshold/threshold.{json,md}."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "threshold.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    summ = result["threshold"]
+    lines = [
+        f"# Divert threshold: out-of-band vs arena ({result['machine']['summary']})",
+        "",
+        f"Run: `{result['command']}` on {result['date']}. Per cell: medians over "
+        f"{result['messages']} lock-step messages after {result['warmup']} warm-up, "
+        f"{result['repeats']} interleaved repetition(s) (median of the ratios). The arena "
+        "diverts every tensor in these cells (variable layout, threshold 0). `ring`: 16 MiB "
+        "chunks, every message fits the ring; `socket`: 128 KiB chunks, every out-of-band "
+        "message overflows to the ZeroMQ socket (the arena's stub still rides the ring). "
+        "The machine is shared and noisy: compare within this run, read the ratios.",
+        "",
+        "| workload | MiB | TP | transport | out-of-band delivery ms | arena delivery ms "
+        "| delivery oob/arena | worst repetition | consume oob/arena |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in summ["rows"]:
+        lines.append(
+            f"| {r['workload']} | {_mib(r['tensor_bytes'])} | {r['tp']} | {r['transport']} "
+            f"| {r['oob_delivery_ms']:.3f} | {r['arena_delivery_ms']:.3f} "
+            f"| **{r['delivery_oob_over_arena']:.2f}** | {r['delivery_oob_over_arena_min']:.2f} "
+            f"| {r['consume_oob_over_arena']:.2f} |"
+        )
+    lines += [
+        "",
+        "## Crossover",
+        "",
+        "The smallest size from which the arena delivers faster (median ratio > 1) at that "
+        f"size and every larger one / {summ['margin']}x faster (the margin the suggested "
+        "threshold asks for, above this machine's run-to-run noise).",
+        "",
+    ]
+    for k, v in summ["crossover_bytes"].items():
+        w = summ["crossover_margin_bytes"][k]
+        lines.append(
+            f"- {k}: {'never at <= 8 MiB' if v is None else _mib(v) + ' MiB'} / "
+            f"{'never at <= 8 MiB' if w is None else _mib(w) + ' MiB'}"
+        )
+    lines += [
+        "",
+        f"Suggested variable-layout threshold: **{_mib(summ['suggested_min_bytes'])} MiB** "
+        f"(in force: VARIABLE_MIN_BYTES = {_mib(result['variable_min_bytes'])} MiB; fixed "
+        f"layout MIN_BYTES = {_mib(result['fixed_min_bytes'])} MiB).",
+    ]
+    with open(os.path.join(out_dir, "threshold.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def warm_memcpy_ms(size_mb: float, reps: int = 7) -> float:
     """Median time of one warm memcpy of size_mb MiB (torch copy_ between touched buffers)."""
-    n = size_mb << 20
+    n = int(size_mb * (1 << 20))
     src = torch.ones(n, dtype=torch.uint8)
     dst = torch.zeros(n, dtype=torch.uint8)
     times = []
@@ -326,7 +579,7 @@ def write_outputs(result: dict, out_dir: str) -> None:
     ]
     for c in result["cells"]:
         lines.append(
-            f"| {c['workload']} | {c['tensor_bytes'] >> 20} | {c['tp']} | {MODE_LABEL[c['mode']]} "
+            f"| {c['workload']} | {_mib(c['tensor_bytes'])} | {c['tp']} | {MODE_LABEL[c['mode']]} "
             f"| {c['enqueue_ms_p50']:.2f} | {c['delivery_ms_p50']:.2f} | {c['consume_ms_p50']:.1f} "
             f"| {c['dequeue_us_p50']:.0f} | {c['host_bytes_moved'] / 1e9:.2f} | {c['arena_hits']} "
             f"| {c['fallbacks_per_message']:g} |"
@@ -391,11 +644,168 @@ def machine_info() -> dict:
     }
 
 
+def copy_threads_main(args, argv) -> int:
+    """--copy-threads-ab: arena cells in which the writer's copy alternates, message by
+    message (ABBA), between one thread and N threads: the same readers, queue and minute of
+    this shared machine for both. Writes results/copy_threads_ab.{json,md}."""
+    n = args.copy_threads_ab
+    tps = args.tp or [1, 2]
+    sizes = args.sizes or [16, 64, 200]
+    cells = []
+    for size in sizes:
+        for tp in tps:
+
+            def tag_fn(i, n=n):
+                t = 1 if i % 4 in (0, 3) else n
+                _C.set_copy_threads(t)
+                return t
+
+            c = run_cell(
+                "arena",
+                tp,
+                size,
+                args.messages,
+                args.warmup,
+                args.seed,
+                None,
+                args.consume,
+                tag_fn=tag_fn,
+            )
+            _C.set_copy_threads(0)
+            one, many = c["by_tag"]["1"], c["by_tag"][str(n)]
+            c["one_over_n"] = {
+                k: one[f"{k}_p50"] / many[f"{k}_p50"]
+                for k in ("enqueue_ms", "delivery_ms", "consume_ms")
+            }
+            cells.append(c)
+            r = c["one_over_n"]
+            print(
+                f"{size:>6g} MiB TP={tp}: 1 thread / {n} threads = enqueue "
+                f"{r['enqueue_ms']:.2f}, delivery {r['delivery_ms']:.2f}, "
+                f"consume {r['consume_ms']:.2f} (delivery ms: {one['delivery_ms_p50']:.2f}"
+                f" vs {many['delivery_ms_p50']:.2f})",
+                flush=True,
+            )
+    result = {
+        "command": " ".join(["python", "benchmarks/broadcast_ab.py", *(argv or sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "seed": args.seed,
+        "messages": args.messages,
+        "warmup": args.warmup,
+        "machine": machine_info(),
+        "n_threads": n,
+        "cells": cells,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "copy_threads_ab.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    lines = [
+        f"# Copy threads A/B ({result['machine']['summary']})",
+        "",
+        f"Run: `{result['command']}` on {result['date']}. Arena cells; the writer's copy uses "
+        f"1 or {n} threads, alternating per message (ABBA) inside each cell; medians over "
+        f"{args.messages // 2} messages each after {args.warmup} warm-up. Ratio > 1: {n} "
+        "threads faster. Shared, noisy machine: read the ratios.",
+        "",
+        f"| MiB | TP | delivery ms, 1 thread | delivery ms, {n} threads | enqueue 1/{n} "
+        f"| delivery 1/{n} | consume 1/{n} |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in cells:
+        one, many = c["by_tag"]["1"], c["by_tag"][str(n)]
+        r = c["one_over_n"]
+        lines.append(
+            f"| {_mib(c['tensor_bytes'])} | {c['tp']} | {one['delivery_ms_p50']:.2f} "
+            f"| {many['delivery_ms_p50']:.2f} | {r['enqueue_ms']:.2f} | **{r['delivery_ms']:.2f}** "
+            f"| {r['consume_ms']:.2f} |"
+        )
+    with open(os.path.join(args.out, "copy_threads_ab.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {args.out}/copy_threads_ab.{{json,md}}")
+    return 0
+
+
+def threshold_main(args, argv) -> int:
+    """--threshold: the threshold cells alone -> results/threshold/threshold.{json,md}."""
+    tps = args.tp or THRESHOLD_TPS
+    n_cells = (len(THRESHOLD_SIZES_MB) + len(PIXEL_SIDES)) * len(tps) * len(THRESHOLD_CHUNKS) * 2
+    print(f"seed={args.seed}  threshold cells: {n_cells} x {args.repeats}  TP={tps}", flush=True)
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n_cells * args.repeats * (args.messages + args.warmup))
+    except ImportError:
+        bar = None
+    cells = threshold_cells(
+        args.messages, args.warmup, args.seed, args.consume, tps, args.repeats, bar
+    )
+    if bar is not None:
+        bar.close()
+    result = {
+        "command": " ".join(["python", "benchmarks/broadcast_ab.py", *(argv or sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "seed": args.seed,
+        "consume": args.consume,
+        "messages": args.messages,
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "machine": machine_info(),
+        "copy_threads": _C.copy_threads(),
+        "variable_min_bytes": arena_mod.VARIABLE_MIN_BYTES,
+        "fixed_min_bytes": arena_mod.MIN_BYTES,
+        "cells": cells,
+        "threshold": threshold_summary(cells),
+    }
+    print(
+        f"\n{'workload':>22} {'MiB':>5} {'TP':>3} {'transport':>9} {'oob ms':>8} "
+        f"{'arena ms':>8} {'deliv oob/arena':>15} {'consume oob/arena':>17}"
+    )
+    for r in result["threshold"]["rows"]:
+        print(
+            f"{r['workload']:>22} {_mib(r['tensor_bytes']):>5} {r['tp']:>3} {r['transport']:>9} "
+            f"{r['oob_delivery_ms']:>8.3f} {r['arena_delivery_ms']:>8.3f} "
+            f"{r['delivery_oob_over_arena']:>15.2f} {r['consume_oob_over_arena']:>17.2f}"
+        )
+    for k, v in result["threshold"]["crossover_bytes"].items():
+        w = result["threshold"]["crossover_margin_bytes"][k]
+        print(
+            f"crossover {k}: {'never' if v is None else _mib(v) + ' MiB'} (median), "
+            f"{'never' if w is None else _mib(w) + ' MiB'} (with the margin)"
+        )
+    print(f"suggested threshold: {_mib(result['threshold']['suggested_min_bytes'])} MiB")
+    out = os.path.join(args.out, "threshold")
+    write_threshold_outputs(result, out)
+    print(f"\nwrote {out}/threshold.{{json,md}}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--full", action="store_true", help="TP {1,2,4,8} x {8,64,200} MiB")
+    ap.add_argument(
+        "--full", action="store_true", help="TP {1,2,4,8} x {8,64,200} MiB + threshold cells"
+    )
+    ap.add_argument(
+        "--threshold",
+        action="store_true",
+        help="only the threshold cells (0.25-8 MiB and uint8 pixel_values, TP {2,4}, ring and "
+        "socket): writes results/threshold/",
+    )
+    ap.add_argument("--repeats", type=int, default=1, help="threshold sweeps, interleaved")
+    ap.add_argument(
+        "--copy-threads",
+        type=int,
+        default=None,
+        help="force the copy pool's thread count (default: automatic sizing)",
+    )
+    ap.add_argument(
+        "--copy-threads-ab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="arena cells alternating the writer's copy between 1 and N threads per message",
+    )
     ap.add_argument("--tp", type=int, nargs="+")
-    ap.add_argument("--sizes", type=int, nargs="+", help="tensor sizes in MiB")
+    ap.add_argument("--sizes", type=float, nargs="+", help="tensor sizes in MiB")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODE_LABEL))
     ap.add_argument("--messages", type=int, default=10, help="measured messages per cell")
     ap.add_argument("--warmup", type=int, default=8, help="warm-up messages (>= slots)")
@@ -416,6 +826,12 @@ def main(argv=None) -> int:
         help="what readers do with the tensor: copy into host memory, or H2D to GPU 0",
     )
     args = ap.parse_args(argv)
+    if args.copy_threads is not None:
+        _C.set_copy_threads(args.copy_threads)  # forked readers inherit it
+    if args.threshold:
+        return threshold_main(args, argv)
+    if args.copy_threads_ab:
+        return copy_threads_main(args, argv)
     tps = args.tp or ([1, 2, 4, 8] if args.full else [1, 4])
     sizes = args.sizes or ([8, 64, 200] if args.full else [8, 200])
     print(f"seed={args.seed}  TP={tps}  sizes MiB={sizes}  modes={args.modes}", flush=True)
@@ -457,6 +873,10 @@ def main(argv=None) -> int:
                     sizes=WORKLOADS[wl],
                 )
             )
+    if args.full:
+        cells += threshold_cells(
+            args.messages, args.warmup, args.seed, args.consume, repeats=args.repeats, bar=bar
+        )
     if bar is not None:
         bar.close()
     small = [
@@ -515,7 +935,7 @@ def main(argv=None) -> int:
         key = f"{c['workload']} TP={c['tp']} {c['mode']}"
         ratios[f"{key}: fallbacks per message"] = float(c["fallbacks_per_message"])
         if c["mode"] in ("arena", "arena-fixed"):
-            once = warm_memcpy_ms(c["tensor_bytes"] >> 20, reps=3)
+            once = warm_memcpy_ms(c["tensor_bytes"] / (1 << 20), reps=3)
             ratios[f"{key}: delivery / one warm copy of its bytes"] = c["delivery_ms_p50"] / once
 
     result = {
@@ -530,7 +950,12 @@ def main(argv=None) -> int:
         "cells": cells,
         "small_messages": small,
         "ratios": ratios,
+        "copy_threads": _C.copy_threads(),
     }
+    if args.full:
+        result["threshold"] = threshold_summary(cells)
+        for k, v in result["threshold"]["crossover_bytes"].items():
+            ratios[f"threshold crossover {k} (MiB)"] = -1.0 if v is None else v / (1 << 20)
     hdr = (
         f"{'workload':>9} {'MiB':>5} {'TP':>3} {'mode':<28} {'enqueue':>9} {'delivery':>9} "
         f"{'consume':>9} {'dequeue':>9} {'GB moved':>9}"
@@ -539,7 +964,7 @@ def main(argv=None) -> int:
     print(hdr)
     for c in cells:
         print(
-            f"{c['workload']:>9} {c['tensor_bytes'] >> 20:>5} {c['tp']:>3} "
+            f"{c['workload']:>9} {_mib(c['tensor_bytes']):>5} {c['tp']:>3} "
             f"{MODE_LABEL[c['mode']]:<28} "
             f"{c['enqueue_ms_p50']:>7.2f}ms {c['delivery_ms_p50']:>7.2f}ms "
             f"{c['consume_ms_p50']:>7.1f}ms {c['dequeue_us_p50']:>7.0f}us "

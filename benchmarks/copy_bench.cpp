@@ -1,11 +1,19 @@
-// The core's copy, without torch: plain memcpy into warm memory vs the arena writer's
-// parallel copy into a warm slot and into a never-touched slot, for 8 / 64 / 256 MiB.
-// Prints GB/s and ratios to memcpy (medians); never asserts. Built by tests/cpp/CMakeLists.txt
-// as `copy_bench`; run with `make bench-copy`.
+// The core's copy, without torch. Part 1: one thread vs N threads of the copy pool vs glibc
+// memcpy at 1-256 MiB into a warm destination, while `readers` busy threads stream through
+// memory on the other CPUs (the queue's readers copying the previous message out), for no
+// readers and for every other usable CPU busy. Part 2: the arena writer's copy into a warm
+// and a never-touched slot. Prints GB/s and ratios (medians of interleaved repetitions);
+// never asserts. torch's copy_ on the same sizes is benchmarks/bench_extension.py. Built by
+// tests/cpp/CMakeLists.txt as `copy_bench`; run with `make bench-copy`.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <optional>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "core/arena.h"
@@ -28,19 +36,83 @@ double time_s(F&& f) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-}  // namespace
+// Threads that read a private buffer larger than the last-level cache, over and over, until
+// stopped: memory traffic and CPU time taken away from the copy, like a reader's consume.
+class BusyReaders {
+ public:
+  explicit BusyReaders(unsigned n) {
+    for (unsigned i = 0; i < n; ++i) {
+      threads_.emplace_back([this] {
+        std::vector<uint64_t> buf((64u << 20) / sizeof(uint64_t), 1);
+        uint64_t sum = 0;
+        while (!stop_.load(std::memory_order_relaxed)) {
+          for (uint64_t x : buf) sum += x;
+        }
+        sink_.fetch_add(sum, std::memory_order_relaxed);  // keeps the loop from vanishing
+      });
+    }
+  }
+  ~BusyReaders() {
+    stop_.store(true, std::memory_order_relaxed);
+    for (auto& t : threads_) t.join();
+  }
 
-int main() {
-  const int reps = 7;
-  std::printf("%8s %12s %14s %14s %14s %10s %10s\n", "MiB", "memcpy GB/s", "parallel GB/s",
-              "warm slot GB/s", "cold slot GB/s", "warm/memcpy", "cold/memcpy");
-  for (uint64_t mib : {8, 64, 256}) {
+ private:
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> sink_{0};
+  std::vector<std::thread> threads_;
+};
+
+void pool_vs_memcpy(unsigned readers, const std::vector<unsigned>& thread_counts, int reps) {
+  std::printf("\n%u busy reader thread(s); automatic sizing would use %u copy thread(s)\n", readers,
+              auto_copy_threads(usable_cpus(), readers));
+  std::printf("%6s %12s", "MiB", "memcpy GB/s");
+  for (unsigned t : thread_counts) std::printf("   %2u thr GB/s", t);
+  for (unsigned t : thread_counts) {
+    if (t > 1) std::printf("  %2u/1 thr", t);
+  }
+  std::printf("  1 thr/memcpy\n");
+  BusyReaders busy(readers);
+  set_min_parallel_bytes(0);  // measure the pool at every size, not only above its threshold
+  for (uint64_t mib : {1, 4, 16, 64, 256}) {
     const uint64_t n = mib << 20;
     std::vector<uint8_t> src(n, 1), dst(n, 2);  // both touched: warm
-    std::vector<double> t_memcpy, t_parallel, t_warm, t_cold;
+    std::vector<double> t_memcpy;
+    std::vector<std::vector<double>> t_pool(thread_counts.size());
+    int r = mib >= 64 ? reps : reps * 3;  // small copies are quick: more samples
+    for (int i = 0; i < r; ++i) {
+      // Interleaved: the shared machine's noise hits every configuration alike.
+      t_memcpy.push_back(time_s([&] { std::memcpy(dst.data(), src.data(), n); }));
+      for (size_t k = 0; k < thread_counts.size(); ++k) {
+        set_copy_threads(thread_counts[k]);
+        t_pool[k].push_back(time_s([&] { parallel_copy(dst.data(), src.data(), n); }));
+      }
+    }
+    auto gbps = [&](double s) { return n / s / 1e9; };
+    double m = median(t_memcpy);
+    std::vector<double> p;
+    for (auto& v : t_pool) p.push_back(median(v));
+    std::printf("%6llu %12.2f", static_cast<unsigned long long>(mib), gbps(m));
+    for (double x : p) std::printf(" %12.2f", gbps(x));
+    for (size_t k = 0; k < thread_counts.size(); ++k) {
+      if (thread_counts[k] > 1) std::printf(" %9.2f", p[0] / p[k]);
+    }
+    std::printf(" %13.2f\n", m / p[0]);
+  }
+  set_copy_threads(0);
+  set_min_parallel_bytes(4 << 20);
+}
+
+void arena_slots(int reps) {
+  std::printf("\narena writer's copy (automatic thread count, no busy readers)\n");
+  std::printf("%6s %12s %14s %14s %11s %11s\n", "MiB", "memcpy GB/s", "warm slot GB/s",
+              "cold slot GB/s", "warm/memcpy", "cold/memcpy");
+  for (uint64_t mib : {8, 64, 256}) {
+    const uint64_t n = mib << 20;
+    std::vector<uint8_t> src(n, 1), dst(n, 2);
+    std::vector<double> t_memcpy, t_warm, t_cold;
     for (int i = 0; i < reps; ++i) {
       t_memcpy.push_back(time_s([&] { std::memcpy(dst.data(), src.data(), n); }));
-      t_parallel.push_back(time_s([&] { parallel_copy(dst.data(), src.data(), n); }));
     }
     {
       // One slot, one reader that lets go at once: every write after the first is warm.
@@ -54,7 +126,7 @@ int main() {
       for (int i = 0; i <= reps; ++i) {
         std::optional<Allocation> a;
         double t = time_s([&] { a = w->write(src.data(), n); });
-        if (!a) return 1;
+        if (!a) return;
         if (i > 0) t_warm.push_back(t);  // i == 0 is the cold first write
         r->release_unacquired(a->record, a->generation);
       }
@@ -72,13 +144,29 @@ int main() {
       }));
     }
     auto gbps = [&](double s) { return n / s / 1e9; };
-    double m = median(t_memcpy), p = median(t_parallel), wm = median(t_warm), c = median(t_cold);
-    std::printf("%8llu %12.2f %14.2f %14.2f %14.2f %10.2f %10.2f\n",
-                static_cast<unsigned long long>(mib), gbps(m), gbps(p), gbps(wm), gbps(c), m / wm,
-                m / c);
+    double m = median(t_memcpy), wm = median(t_warm), c = median(t_cold);
+    std::printf("%6llu %12.2f %14.2f %14.2f %11.2f %11.2f\n", static_cast<unsigned long long>(mib),
+                gbps(m), gbps(wm), gbps(c), m / wm, m / c);
   }
-  CopyPoolStats s = copy_pool_stats();
-  std::printf("copy pool: %u worker threads, %llu parallel copies\n", s.threads,
-              static_cast<unsigned long long>(s.parallel_copies));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int reps = argc > 1 ? std::max(1, std::atoi(argv[1])) : 7;
+  const unsigned usable = usable_cpus();
+  std::printf("usable CPUs: %u (affinity mask and cgroup quota; hardware_concurrency %u)\n", usable,
+              std::thread::hardware_concurrency());
+  std::vector<unsigned> thread_counts = {1};
+  for (unsigned t : {2u, 4u, 8u}) {
+    if (t <= std::max(2u, usable)) thread_counts.push_back(t);
+  }
+  std::vector<unsigned> reader_counts = {0};
+  if (usable > 1) {
+    if (usable / 2 > 0 && usable / 2 != usable - 1) reader_counts.push_back(usable / 2);
+    reader_counts.push_back(usable - 1);
+  }
+  for (unsigned readers : reader_counts) pool_vs_memcpy(readers, thread_counts, reps);
+  arena_slots(reps);
   return 0;
 }

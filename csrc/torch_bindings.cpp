@@ -490,6 +490,42 @@ uint64_t packed_size(const std::vector<std::pair<const uint8_t*, uint64_t>>& fra
 
 }  // namespace
 
+/// The buffers of one message's frames, held for as long as their bytes are read.
+class FrameViews {
+ public:
+  /// Room for `n` views up front: a Py_buffer is never moved once taken.
+  explicit FrameViews(size_t n) { views_.reserve(n); }
+  FrameViews(const FrameViews&) = delete;
+  FrameViews& operator=(const FrameViews&) = delete;
+  ~FrameViews() {
+    for (Py_buffer& v : views_) PyBuffer_Release(&v);
+  }
+
+  /// Takes frame `index`'s buffer. A frame whose bytes are not one C-contiguous run (a
+  /// strided or reversed memoryview) is refused: `buf`/`len` would name other bytes than the
+  /// frame's, and a reversed view's `buf` points at its last element.
+  const Py_buffer& add(py::handle frame, size_t index) {
+    if (views_.size() == views_.capacity()) throw std::logic_error("FrameViews is full");
+    Py_buffer v;
+    if (PyObject_GetBuffer(frame.ptr(), &v, PyBUF_STRIDES) != 0) {
+      PyErr_Clear();
+      throw py::type_error("frame " + std::to_string(index) + " is not a buffer (got " +
+                           std::string(Py_TYPE(frame.ptr())->tp_name) + ")");
+    }
+    if (!PyBuffer_IsContiguous(&v, 'C')) {
+      PyBuffer_Release(&v);
+      throw py::value_error("frame " + std::to_string(index) +
+                            " is not a C-contiguous buffer (a strided or reversed view); pass "
+                            "bytes(frame) or a contiguous copy");
+    }
+    views_.push_back(v);
+    return views_.back();
+  }
+
+ private:
+  std::vector<Py_buffer> views_;
+};
+
 /// Writer end of a ring in its own shm region.
 class MessageRingWriter {
  public:
@@ -541,13 +577,12 @@ class MessageRingWriter {
   /// published instead, and the caller must send the message over the socket).
   std::string write(const py::list& frames, uint32_t flags, double timeout_s) {
     require_owner("write");
-    std::vector<py::buffer_info> infos;
+    // Declared before `nogil` below: the views are released with the GIL held again.
+    FrameViews views(frames.size());
     std::vector<std::pair<const uint8_t*, uint64_t>> spans;
-    for (auto f : frames) {
-      infos.push_back(py::reinterpret_borrow<py::buffer>(f).request());
-      const auto& bi = infos.back();
-      spans.emplace_back(static_cast<const uint8_t*>(bi.ptr),
-                         static_cast<uint64_t>(bi.size * bi.itemsize));
+    for (size_t i = 0; i < frames.size(); ++i) {
+      const Py_buffer& v = views.add(frames[i], i);
+      spans.emplace_back(static_cast<const uint8_t*>(v.buf), static_cast<uint64_t>(v.len));
     }
     uint64_t total = packed_size(spans);
     if (total > writer_->config().max_chunk_bytes) {
@@ -705,13 +740,19 @@ class MessageRingReader {
 };
 
 // ---------------------------------------------------------------------------------------
-// Out-of-band rebuild: a tensor over a received buffer, zero-copy.
+// Out-of-band rebuild: a tensor over a received buffer (zero-copy when it is writable).
 
 at::Tensor tensor_from_buffer(py::object buffer, at::ScalarType dtype,
                               const std::vector<int64_t>& shape) {
   auto view = std::make_unique<Py_buffer>();
-  if (PyObject_GetBuffer(buffer.ptr(), view.get(), PyBUF_SIMPLE) != 0) {
-    throw py::error_already_set();
+  // Writable first: a tensor aliasing a read-only buffer (bytes) would let an in-place op
+  // change an immutable object. Such buffers are copied once below instead.
+  bool writable = PyObject_GetBuffer(buffer.ptr(), view.get(), PyBUF_WRITABLE) == 0;
+  if (!writable) {
+    PyErr_Clear();
+    if (PyObject_GetBuffer(buffer.ptr(), view.get(), PyBUF_SIMPLE) != 0) {
+      throw py::error_already_set();
+    }
   }
   uint64_t expect = checked_nbytes(dtype, shape);
   if (static_cast<uint64_t>(view->len) != expect) {
@@ -719,6 +760,21 @@ at::Tensor tensor_from_buffer(py::object buffer, at::ScalarType dtype,
     PyBuffer_Release(view.get());
     throw InvalidArgument("buffer has " + std::to_string(got) + " bytes, shape " +
                           c10::str(c10::IntArrayRef(shape)) + " needs " + std::to_string(expect));
+  }
+  if (!writable) {
+    at::Tensor out;
+    try {
+      out = at::empty(shape, at::TensorOptions().dtype(dtype));
+    } catch (...) {
+      PyBuffer_Release(view.get());
+      throw;
+    }
+    if (expect > 0) {
+      py::gil_scoped_release nogil;
+      parallel_copy(out.data_ptr(), view->buf, expect);
+    }
+    PyBuffer_Release(view.get());
+    return out;
   }
   void* data = view->buf;
   Py_buffer* raw = view.release();
@@ -971,7 +1027,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("writer_liveness", &MessageRingReader::writer_liveness)
       .def_property_readonly("rank", &MessageRingReader::rank);
 
-  // Zero-copy tensor over a Python buffer (a received ZeroMQ frame); keeps the buffer alive.
+  // Tensor over a Python buffer: zero-copy over a writable one (a received ZeroMQ frame),
+  // which it keeps alive; a read-only one (bytes) is copied once.
   m.def("tensor_from_buffer", &tensor_from_buffer, py::arg("buffer"), py::arg("dtype"),
         py::arg("shape"));
   // The C-level reducer_override installed on _ArenaPickler instances.
@@ -985,6 +1042,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   // Threads a copy may use (0 = automatic) and the size below which one memcpy is used.
   m.def("set_copy_threads", &set_copy_threads);
+  // The queue's local readers, taken from the usable CPUs by the automatic thread count.
+  m.def("set_copy_readers", &set_copy_readers, py::arg("n"));
+  // Threads (caller included) the next large copy will use.
+  m.def("copy_threads", &copy_threads);
   m.def("set_min_parallel_bytes", &set_min_parallel_bytes);
   // Bytes free in a shm directory, and the check that raises when too few are.
   m.def("shm_free_bytes", &ShmRegion::free_bytes);

@@ -22,8 +22,16 @@ DEFAULT_SLOT_BYTES = 256 << 20
 #: Default geometry of the variable-size layout: one region any tensor up to its size fits.
 DEFAULT_ARENA_BYTES = 2 << 30
 DEFAULT_MAX_ALLOCATIONS = 1024
-#: Tensors smaller than this take the out-of-band path (a slot copy doesn't pay below it).
+#: Fixed-slot layout: tensors smaller than this take the out-of-band path (the design
+#: document's threshold; a whole 256 MiB slot per small tensor would run the 8 slots dry).
 MIN_BYTES = 8 << 20
+#: Variable-size layout: the divert threshold, from the measured crossover of arena vs
+#: out-of-band delivery (`broadcast_ab.py --threshold`, benchmarks/results/threshold/): on the
+#: 2-core development machine the arena delivered faster from 0.25-0.5 MiB up (median, TP 2
+#: and 4, ring and socket), and at least 1.25x faster (a margin over run-to-run noise) from
+#: 1 MiB up in every cell of three runs. A small tensor takes only its own bytes of the
+#: region there, unlike a 256 MiB fixed slot.
+VARIABLE_MIN_BYTES = 1 << 20
 
 # Name <-> dtype for every dtype a stub may carry. Built from torch's own attributes so new
 # dtypes (fp8 variants, unsigned ints) are picked up without a list to maintain. Quantized
@@ -181,6 +189,12 @@ class ShmTensorArena:
         return self._handle.num_slots
 
     @property
+    def min_bytes(self) -> int:
+        """The divert threshold of this arena's layout: tensors smaller than this go out of
+        band (``MIN_BYTES`` for fixed slots, ``VARIABLE_MIN_BYTES`` for variable-size)."""
+        return VARIABLE_MIN_BYTES if self._handle.policy == "variable" else MIN_BYTES
+
+    @property
     def layout(self) -> str:
         """The geometry in words, e.g. "8 x 256 MiB slots" or "2048 MiB variable-size"."""
         h = self._handle
@@ -216,11 +230,13 @@ class ShmTensorArena:
         res = self._write(tensor)
         return None if res is None else res[0]
 
-    def _take_reducer(self, min_bytes: int = MIN_BYTES):
-        """A (C-level reducer_override, diverted list) pair for one dump. The default-threshold
-        pair is built once and reused: building it costs about as much as pickling a small
-        message."""
-        if min_bytes == MIN_BYTES:
+    def _take_reducer(self, min_bytes: int | None = None):
+        """A (C-level reducer_override, diverted list) pair for one dump (threshold: this
+        layout's ``min_bytes`` unless given). The default-threshold pair is built once and
+        reused: building it costs about as much as pickling a small message."""
+        if min_bytes is None:
+            min_bytes = self.min_bytes
+        if min_bytes == self.min_bytes:
             with self._lock:
                 if self._reducer_cache:
                     pair = self._reducer_cache.pop()
@@ -240,7 +256,7 @@ class ShmTensorArena:
         return (fn, diverted, min_bytes)
 
     def _give_back_reducer(self, pair) -> None:
-        if pair[2] != MIN_BYTES:
+        if pair[2] != self.min_bytes:
             return
         with self._lock:
             if len(self._reducer_cache) < 4:

@@ -162,6 +162,7 @@ class MessageQueue:
         local_addr = remote_addr = None
         if n_local_reader > 0:
             self._ring = _C.RingWriter(n_local_reader, max_chunks, max_chunk_bytes)
+            _C.set_copy_readers(n_local_reader)  # the copy pool leaves the readers their CPUs
             self.local_socket = self._xpub()
             local_addr = f"ipc://@vsa-{secrets.token_hex(16)}"
             self.local_socket.bind(local_addr)

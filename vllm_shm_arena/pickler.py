@@ -27,7 +27,6 @@ from vllm_shm_arena._ext import _C
 from vllm_shm_arena.arena import (
     _ARENA_REBUILD_FNS,
     _NAME_BY_DTYPE,
-    MIN_BYTES,
     ShmTensorArena,
     dtype_from_name,
 )
@@ -121,9 +120,10 @@ class _ArenaPickler(pickle.Pickler):
 
     dispatch_table = _dispatch_table()
 
-    def __init__(self, file, arena: ShmTensorArena, buffer_callback=None, min_bytes=MIN_BYTES):
+    def __init__(self, file, arena: ShmTensorArena, buffer_callback=None, min_bytes=None):
         self.arena = arena
-        self.min_bytes = min_bytes
+        # Default: the arena layout's threshold (8 MiB fixed slots, lower for variable-size).
+        self.min_bytes = arena.min_bytes if min_bytes is None else min_bytes
         self._cached = None
         if _USE_PY_REDUCER:
             self.diverted: list[tuple[int, int]] = []

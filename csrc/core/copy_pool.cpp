@@ -1,11 +1,15 @@
 #include "core/copy_pool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <sstream>
 #include <thread>
 #include <vector>
 
@@ -15,6 +19,67 @@ namespace {
 
 constexpr size_t kStripeAlign = 4096;
 constexpr unsigned kMaxThreads = 8;
+
+bool read_text(const std::string& path, std::string* out) {
+  std::ifstream f(path);
+  if (!f) return false;
+  std::stringstream ss;
+  ss << f.rdbuf();
+  *out = ss.str();
+  return true;
+}
+
+// "/a/b/c" -> "/a/b/c", "/a/b", "/a", "" (the root itself). A quota set on any ancestor
+// limits every cgroup below it.
+std::vector<std::string> self_and_ancestors(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  if (path == "/") path.clear();
+  std::vector<std::string> out;
+  for (;;) {
+    out.push_back(path);
+    if (path.empty()) break;
+    size_t slash = path.rfind('/');
+    path = slash == std::string::npos ? std::string() : path.substr(0, slash);
+  }
+  return out;
+}
+
+// CPUs from one quota: floor(quota / period), at least 1; 0 when it is not a quota.
+unsigned cpus_of_quota(long long quota, long long period) {
+  if (quota <= 0 || period <= 0) return 0;
+  return static_cast<unsigned>(std::max(1LL, quota / period));
+}
+
+// The tightest of two limits where 0 means "no limit".
+unsigned tighter(unsigned a, unsigned b) {
+  if (a == 0) return b;
+  if (b == 0) return a;
+  return std::min(a, b);
+}
+
+// CPUs in the calling thread's affinity mask, sized for hosts with more than CPU_SETSIZE CPUs.
+unsigned affinity_cpus() {
+  for (size_t ncpu = CPU_SETSIZE; ncpu <= (size_t{1} << 16); ncpu *= 2) {
+    cpu_set_t* set = CPU_ALLOC(ncpu);
+    if (set == nullptr) break;
+    size_t bytes = CPU_ALLOC_SIZE(ncpu);
+    if (sched_getaffinity(0, bytes, set) == 0) {
+      int n = CPU_COUNT_S(bytes, set);
+      CPU_FREE(set);
+      return n > 0 ? static_cast<unsigned>(n) : 1u;
+    }
+    int err = errno;
+    CPU_FREE(set);
+    if (err != EINVAL) break;  // EINVAL: the kernel's mask is larger than ours; retry
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+unsigned system_cgroup_limit() {
+  std::string self;
+  if (!read_text("/proc/self/cgroup", &self)) return 0;
+  return cgroup_cpu_limit("/sys/fs/cgroup", self);
+}
 
 // One copy in flight. Workers claim stripes with fetch_add on `next` and count finished
 // stripes in `done`; the caller waits until done == stripes. Process-local memory only, so
@@ -48,8 +113,9 @@ class Pool {
   void copy(void* dst, const void* src, size_t n) {
     copies_.fetch_add(1, std::memory_order_relaxed);
     bytes_.fetch_add(n, std::memory_order_relaxed);
-    unsigned want = wanted_threads();
-    if (n < min_parallel_.load(std::memory_order_relaxed) || want <= 1) {
+    // Size check first: small copies (most ring frames) never pay for the sizing syscall.
+    unsigned want = n < min_parallel_.load(std::memory_order_relaxed) ? 1 : wanted_threads();
+    if (want <= 1) {
       std::memcpy(dst, src, n);
       return;
     }
@@ -84,6 +150,7 @@ class Pool {
   }
 
   void set_threads(unsigned n) { requested_.store(n, std::memory_order_relaxed); }
+  void set_readers(unsigned n) { readers_.store(n, std::memory_order_relaxed); }
   void set_min_parallel(size_t n) { min_parallel_.store(n, std::memory_order_relaxed); }
 
   CopyPoolStats stats() {
@@ -119,16 +186,30 @@ class Pool {
     copies_.store(0, std::memory_order_relaxed);
     parallel_.store(0, std::memory_order_relaxed);
     bytes_.store(0, std::memory_order_relaxed);
+    cgroup_limit_.store(kUnknown, std::memory_order_relaxed);  // the child may be moved
+  }
+
+  unsigned wanted_threads() {
+    unsigned r = requested_.load(std::memory_order_relaxed);
+    if (r == 0) return auto_copy_threads(usable(), readers_.load(std::memory_order_relaxed));
+    return std::min(r, kMaxThreads);
+  }
+
+  // The affinity mask is asked on every large copy (one syscall, nothing next to a copy of
+  // megabytes) because a process may be pinned after start (vLLM's CPU workers bind their
+  // threads); the cgroup quota costs file reads, so it is read once per process.
+  unsigned usable() {
+    unsigned limit = cgroup_limit_.load(std::memory_order_relaxed);
+    if (limit == kUnknown) {
+      limit = system_cgroup_limit();
+      cgroup_limit_.store(limit, std::memory_order_relaxed);
+    }
+    unsigned aff = affinity_cpus();
+    return limit == 0 ? aff : std::min(aff, limit);
   }
 
  private:
-  unsigned wanted_threads() const {
-    unsigned r = requested_.load(std::memory_order_relaxed);
-    if (r == 0) {
-      r = std::max(1u, std::thread::hardware_concurrency());
-    }
-    return std::min(r, kMaxThreads);
-  }
+  static constexpr unsigned kUnknown = ~0u;
 
   // Called with copy_mu_ held.
   void ensure_threads(unsigned n) {
@@ -173,6 +254,8 @@ class Pool {
   uint64_t job_seq_ = 0;
   int busy_ = 0;
   std::atomic<unsigned> requested_{0};
+  std::atomic<unsigned> readers_{0};
+  std::atomic<unsigned> cgroup_limit_{kUnknown};
   std::atomic<size_t> min_parallel_{size_t{4} << 20};
   std::atomic<uint64_t> copies_{0};
   std::atomic<uint64_t> parallel_{0};
@@ -194,6 +277,74 @@ Pool* pool_instance() {
 
 void parallel_copy(void* dst, const void* src, size_t n) { pool_instance()->copy(dst, src, n); }
 void set_copy_threads(unsigned n) { pool_instance()->set_threads(n); }
+void set_copy_readers(unsigned n) { pool_instance()->set_readers(n); }
+unsigned copy_threads() { return pool_instance()->wanted_threads(); }
+
+unsigned usable_cpus() {
+  unsigned aff = affinity_cpus();
+  unsigned limit = system_cgroup_limit();
+  return limit == 0 ? aff : std::min(aff, limit);
+}
+
+unsigned auto_copy_threads(unsigned usable, unsigned readers) {
+  unsigned spare = usable > readers ? usable - readers : 1;
+  return std::clamp(spare, 1u, kMaxThreads);
+}
+
+unsigned cgroup_cpu_limit(const std::string& cgroup_root, const std::string& proc_self_cgroup) {
+  unsigned limit = 0;
+  std::istringstream lines(proc_self_cgroup);
+  std::string line;
+  while (std::getline(lines, line)) {
+    // hierarchy-id:controller-list:path
+    size_t a = line.find(':');
+    size_t b = a == std::string::npos ? a : line.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    std::string controllers = line.substr(a + 1, b - a - 1);
+    std::string path = line.substr(b + 1);
+    if (controllers.empty()) {
+      // cgroup v2: "max 100000" or "150000 100000" in cpu.max.
+      for (const std::string& dir : self_and_ancestors(path)) {
+        std::string text;
+        if (!read_text(cgroup_root + dir + "/cpu.max", &text)) continue;
+        std::istringstream in(text);
+        std::string quota;
+        long long period = 0;
+        if (!(in >> quota >> period) || quota == "max") continue;
+        try {
+          limit = tighter(limit, cpus_of_quota(std::stoll(quota), period));
+        } catch (const std::exception&) {
+          // a malformed file is no quota
+        }
+      }
+      continue;
+    }
+    // cgroup v1: the line whose controller list holds "cpu" (e.g. "cpu,cpuacct"), mounted
+    // as <root>/cpu,cpuacct with <root>/cpu beside it on most distributions.
+    bool has_cpu = false;
+    std::istringstream names(controllers);
+    std::string name;
+    while (std::getline(names, name, ',')) has_cpu = has_cpu || name == "cpu";
+    if (!has_cpu) continue;
+    for (const std::string& mount : {controllers, std::string("cpu")}) {
+      for (const std::string& dir : self_and_ancestors(path)) {
+        std::string base = cgroup_root + "/" + mount + dir;
+        std::string q, p;
+        if (!read_text(base + "/cpu.cfs_quota_us", &q) ||
+            !read_text(base + "/cpu.cfs_period_us", &p)) {
+          continue;
+        }
+        try {
+          limit = tighter(limit, cpus_of_quota(std::stoll(q), std::stoll(p)));
+        } catch (const std::exception&) {
+          // a malformed file is no quota
+        }
+      }
+      if (mount == "cpu") break;
+    }
+  }
+  return limit;
+}
 void set_min_parallel_bytes(size_t n) { pool_instance()->set_min_parallel(n); }
 CopyPoolStats copy_pool_stats() { return pool_instance()->stats(); }
 

@@ -1,10 +1,16 @@
 // Tests of the parallel copy (copy_pool.cpp), including fork safety.
 #include "core/copy_pool.h"
 
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include "catch_compat.hpp"
@@ -53,4 +59,112 @@ TEST_CASE("a forked child can copy in parallel and exit without hanging", "[copy
   CHECK(std::memcmp(dst.data(), src.data(), src.size()) == 0);
   set_copy_threads(0);
   set_min_parallel_bytes(4 << 20);
+}
+
+TEST_CASE("automatic sizing uses one thread when the affinity mask allows one CPU",
+          "[copy][fork]") {
+  // In a child, so narrowing the affinity mask leaves the test runner alone.
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(sched_getcpu() >= 0 ? sched_getcpu() : 0, &one);
+    if (sched_setaffinity(0, sizeof(one), &one) != 0) std::_Exit(2);
+    set_copy_threads(0);
+    set_min_parallel_bytes(1 << 16);
+    std::vector<uint8_t> src(8 << 20), dst(8 << 20);
+    vsa_test::fill_pattern(src.data(), src.size(), 3);
+    parallel_copy(dst.data(), src.data(), src.size());
+    CopyPoolStats s = copy_pool_stats();
+    bool ok = std::memcmp(dst.data(), src.data(), src.size()) == 0 && s.threads == 0 &&
+              s.parallel_copies == 0;
+    if (!ok)
+      std::printf("one usable CPU: %u worker threads, %llu parallel copies\n", s.threads,
+                  static_cast<unsigned long long>(s.parallel_copies));
+    std::fflush(stdout);
+    std::_Exit(ok ? 0 : 1);
+  }
+  CHECK(vsa_test::exited_ok(vsa_test::wait_child(pid, 20)));
+}
+
+namespace {
+
+// Writes `text` to root/rel, creating the folders on the way.
+void put(const std::string& root, const std::string& rel, const std::string& text) {
+  size_t slash = rel.rfind('/');
+  std::string dir = slash == std::string::npos ? root : root + "/" + rel.substr(0, slash);
+  std::string cmd = "mkdir -p '" + dir + "'";
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  FILE* f = std::fopen((root + "/" + rel).c_str(), "w");
+  REQUIRE(f != nullptr);
+  std::fputs(text.c_str(), f);
+  std::fclose(f);
+}
+
+}  // namespace
+
+TEST_CASE("cgroup v2 cpu.max: the tightest quota of the cgroup and its ancestors", "[copy]") {
+  vsa_test::TempDir root;
+  REQUIRE_FALSE(root.path().empty());
+  const std::string self = "0::/kubepods/pod1/ctr\n";
+  CHECK(cgroup_cpu_limit(root.path(), self) == 0);  // no files: no quota
+  put(root.path(), "kubepods/pod1/ctr/cpu.max", "max 100000\n");
+  CHECK(cgroup_cpu_limit(root.path(), self) == 0);  // "max": no quota
+  put(root.path(), "kubepods/pod1/ctr/cpu.max", "350000 100000\n");
+  CHECK(cgroup_cpu_limit(root.path(), self) == 3);  // 3.5 CPUs: three whole ones
+  put(root.path(), "kubepods/pod1/cpu.max", "200000 100000\n");
+  CHECK(cgroup_cpu_limit(root.path(), self) == 2);  // the parent's quota is tighter
+  put(root.path(), "kubepods/pod1/cpu.max", "50000 100000\n");
+  CHECK(cgroup_cpu_limit(root.path(), self) == 1);  // half a CPU still runs one thread
+  put(root.path(), "kubepods/pod1/cpu.max", "garbage\n");
+  CHECK(cgroup_cpu_limit(root.path(), self) == 3);  // a malformed file is no quota
+  // A container whose own cgroup is mounted as the root (path not under it).
+  vsa_test::TempDir ns;
+  put(ns.path(), "cpu.max", "400000 100000\n");
+  CHECK(cgroup_cpu_limit(ns.path(), "0::/docker/abc\n") == 4);
+}
+
+TEST_CASE("cgroup v1 cfs quota under the cpu controller's mount", "[copy]") {
+  vsa_test::TempDir root;
+  REQUIRE_FALSE(root.path().empty());
+  const std::string self =
+      "12:memory:/job\n4:cpu,cpuacct:/job/task\n1:name=systemd:/job/task\n0::/job/task\n";
+  put(root.path(), "cpu,cpuacct/job/task/cpu.cfs_quota_us", "-1\n");
+  put(root.path(), "cpu,cpuacct/job/task/cpu.cfs_period_us", "100000\n");
+  CHECK(cgroup_cpu_limit(root.path(), self) == 0);  // -1: no quota
+  put(root.path(), "cpu,cpuacct/job/cpu.cfs_quota_us", "600000\n");
+  put(root.path(), "cpu,cpuacct/job/cpu.cfs_period_us", "100000\n");
+  CHECK(cgroup_cpu_limit(root.path(), self) == 6);
+  // Only a "cpu" mount (the usual symlink) holds the files.
+  vsa_test::TempDir cpu_only;
+  put(cpu_only.path(), "cpu/job/task/cpu.cfs_quota_us", "250000\n");
+  put(cpu_only.path(), "cpu/job/task/cpu.cfs_period_us", "100000\n");
+  CHECK(cgroup_cpu_limit(cpu_only.path(), self) == 2);
+  // A memory-only line is not the cpu controller.
+  CHECK(cgroup_cpu_limit(cpu_only.path(), "12:memory:/job/task\n") == 0);
+}
+
+TEST_CASE("automatic thread count: usable CPUs minus readers, clamped to [1, 8]", "[copy]") {
+  CHECK(auto_copy_threads(2, 1) == 1);  // the development machine at TP=1
+  CHECK(auto_copy_threads(2, 4) == 1);  // more readers than CPUs
+  CHECK(auto_copy_threads(1, 0) == 1);
+  CHECK(auto_copy_threads(16, 4) == 8);
+  CHECK(auto_copy_threads(8, 4) == 4);
+  CHECK(auto_copy_threads(64, 0) == 8);
+  CHECK(usable_cpus() >= 1);
+  CHECK(usable_cpus() <= std::max(1u, std::thread::hardware_concurrency()));
+}
+
+TEST_CASE("the readers hint lowers the automatic count; an explicit count wins", "[copy]") {
+  set_copy_threads(0);
+  set_copy_readers(0);
+  unsigned alone = copy_threads();
+  CHECK(alone == auto_copy_threads(usable_cpus(), 0));
+  set_copy_readers(usable_cpus());
+  CHECK(copy_threads() == 1);  // every usable CPU has a reader on it
+  set_copy_threads(3);
+  CHECK(copy_threads() == 3);
+  set_copy_threads(0);
+  set_copy_readers(0);
+  CHECK(copy_threads() == alone);
 }

@@ -300,3 +300,36 @@ def test_unacquired_stub_released_by_release_unacquired(arena, rand):
     arena.reader._release_unacquired(slot, gen)
     arena.reader._release_unacquired(slot, gen)
     assert arena.in_use() == 0
+
+
+# ------------------------------------------------------------------------ per-layout threshold
+def test_divert_threshold_is_per_layout(make_arena, rand, same_bytes, reducer, tmp_path):
+    """A tensor between the variable layout's threshold and the fixed layout's 8 MiB is
+    diverted by a variable arena and sent out of band by a fixed one."""
+    from vllm_shm_arena import ShmTensorArena
+    from vllm_shm_arena.arena import VARIABLE_MIN_BYTES
+
+    fixed = make_arena(num_slots=2, slot_bytes=16 * MiB)
+    var = ShmTensorArena.create(1, policy="variable", arena_bytes=32 * MiB, shm_dir=str(tmp_path))
+    var_reader = ShmTensorArena.attach(var.handle(), 0)
+    try:
+        assert fixed.writer.min_bytes == MIN_BYTES == 8 * MiB
+        assert var.min_bytes == VARIABLE_MIN_BYTES < MIN_BYTES
+        between = big(rand, torch.float32, VARIABLE_MIN_BYTES)  # the smallest size diverted
+        below = big(rand, torch.float32, VARIABLE_MIN_BYTES - 4096)
+
+        got = loads(*dumps(between, var))
+        same_bytes(got, between)
+        assert var.stats()["hits"] == 1
+        del got
+        got = loads(*dumps(below, var))
+        same_bytes(got, below)
+        assert var.stats()["hits"] == 1 and var.stats()["declined"]["too_small"] == 1
+
+        got = loads(*dumps(between, fixed.writer))
+        same_bytes(got, between)
+        assert fixed.writer.stats()["hits"] == 0
+        assert fixed.declined()["too_small"] == 1
+    finally:
+        var_reader.close()
+        var.close()

@@ -1,0 +1,143 @@
+"""The bindings' handling of Python buffers, and the copy pool's knobs (csrc/torch_bindings.cpp).
+
+* ``RingWriter.write`` takes only C-contiguous frames: a strided view's ``buf``/``len`` name
+  other bytes than the frame's (a reversed view's ``buf`` is its last element).
+* ``tensor_from_buffer`` aliases writable buffers (ZeroMQ frames, bytearrays) and copies
+  read-only ones (``bytes``) once, so an in-place op never mutates an immutable object.
+* ``set_copy_readers``: the queue's writer leaves its local readers their CPUs.
+
+Every shared-memory name lives in the test's private directory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from vllm_shm_arena import MessageQueue
+from vllm_shm_arena._ext import _C
+from vllm_shm_arena.pickler import dumps, loads
+
+
+@pytest.fixture
+def ring(tmp_path):
+    """A ring writer with one attached reader, in a private shm directory."""
+    w = _C.RingWriter(1, 4, 1 << 16, str(tmp_path))
+    r = _C.RingReader(w.name, 0, str(tmp_path))
+    yield w, r
+    w.unlink()
+
+
+def _read_frames(reader) -> list[bytes]:
+    status, _, frames = reader.read(5.0)
+    assert status == "ok"
+    return [bytes(f) for f in frames]
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        memoryview(b"0123456789")[::2],  # strided: was received as b"01234"
+        memoryview(b"0123456789")[::-1],  # reversed: was read past the buffer's end
+        np.arange(10, dtype=np.uint8).reshape(2, 5)[:, ::2],  # 2-D, strided
+        np.asfortranarray(np.arange(6, dtype=np.uint8).reshape(2, 3)),  # column-major
+    ],
+    ids=["strided", "reversed", "2d_strided", "fortran_order"],
+)
+def test_ring_write_rejects_non_contiguous_frame_naming_its_index(ring, view):
+    w, r = ring
+    with pytest.raises(ValueError, match="frame 1 is not a C-contiguous buffer"):
+        w.write([b"head", view], 0, 5.0)
+    # Nothing was published: the next message is the next one read.
+    assert w.write([b"ok"], 0, 5.0) == "ok"
+    assert _read_frames(r) == [b"ok"]
+
+
+def test_ring_write_carries_contiguous_views_exactly(ring):
+    w, r = ring
+    base = memoryview(b"0123456789")
+    frames = [base[2:7], base[::1], memoryview(bytearray(b"ab")).cast("B", (1, 2)), b""]
+    assert w.write(frames, 0, 5.0) == "ok"
+    assert _read_frames(r) == [b"23456", b"0123456789", b"ab", b""]
+
+
+def test_ring_write_rejects_a_non_buffer_frame_naming_its_index(ring):
+    w, _ = ring
+    with pytest.raises(TypeError, match="frame 2 is not a buffer"):
+        w.write([b"a", b"b", 42], 0, 5.0)
+
+
+def test_tensor_from_read_only_buffer_is_a_copy():
+    data = bytes(range(16))
+    t = _C.tensor_from_buffer(data, torch.uint8, [16])
+    t.add_(1)  # must not write into the bytes object
+    assert data == bytes(range(16))
+    assert t.tolist() == [x + 1 for x in range(16)]
+    # Same for a read-only memoryview, and for a multi-byte dtype.
+    f = torch.arange(4, dtype=torch.float32)
+    raw = bytes(f.numpy().tobytes())
+    t2 = _C.tensor_from_buffer(memoryview(raw), torch.float32, [2, 2])
+    t2.mul_(10)
+    assert raw == f.numpy().tobytes()
+    assert t2.reshape(-1).tolist() == [0.0, 10.0, 20.0, 30.0]
+
+
+def test_tensor_from_writable_buffer_stays_zero_copy():
+    ba = bytearray(range(8))
+    t = _C.tensor_from_buffer(ba, torch.uint8, [8])
+    t[0] = 200
+    assert ba[0] == 200  # the tensor aliases the bytearray
+
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://test-bindings")
+        b.connect("inproc://test-bindings")
+        a.send(bytes(range(64)) * 2048, copy=False)
+        frame = b.recv(copy=False)
+        buf = frame.buffer  # what MessageQueue hands to loads
+        t = _C.tensor_from_buffer(buf, torch.uint8, [len(buf)])
+        t[1] = 77
+        assert buf[1] == 77  # no copy of a received ZeroMQ frame
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()
+
+
+def test_loads_over_bytes_works_and_leaves_the_bytes_unchanged(rand, same_bytes):
+    x = rand((256, 64), torch.float32)
+    data, buffers = dumps({"x": x})
+    frozen = [bytes(memoryview(b).cast("B")) for b in buffers]  # as direct_arena.py sends them
+    snapshot = list(frozen)
+    out = loads(data, frozen)["x"]
+    same_bytes(out, x)
+    out.zero_()
+    assert frozen == snapshot
+
+
+def test_tensor_from_buffer_length_mismatch_is_a_value_error():
+    with pytest.raises(ValueError, match="needs 8"):
+        _C.tensor_from_buffer(bytes(4), torch.uint8, [8])
+    with pytest.raises(ValueError, match="needs 8"):
+        _C.tensor_from_buffer(bytearray(4), torch.uint8, [8])
+
+
+def test_queue_writer_tells_the_copy_pool_its_local_readers(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_SHM_ARENA_SHM_DIR", str(tmp_path))
+    _C.set_copy_threads(0)
+    _C.set_copy_readers(0)
+    alone = _C.copy_threads()
+    assert 1 <= alone <= 8
+    n = os.cpu_count() or 1
+    mq = MessageQueue(n, n, max_chunk_bytes=1 << 16, max_chunks=2)
+    try:
+        assert _C.copy_threads() == 1  # a local reader on every CPU: no spare for the copy
+    finally:
+        mq.shutdown()
+        _C.set_copy_readers(0)
+    assert _C.copy_threads() == alone
