@@ -243,6 +243,8 @@ class MessageQueue:
                     handle.tensor_arena_handle, self.local_reader_rank
                 )
             self._ring = _C.RingReader(name, self.local_reader_rank, shm_dir)
+            # Readers copy ring frames out too: leave the other readers (and the writer) a CPU.
+            _C.set_copy_readers(self.n_local_reader)
             self.local_socket = self._sub(handle.local_subscribe_addr)
         else:
             self._is_local_reader = False

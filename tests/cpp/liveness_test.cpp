@@ -116,25 +116,35 @@ TEST_CASE("a killed holder is dead, reaped or not", "[liveness][faults]") {
 TEST_CASE("a forked child does not keep its parent's token alive", "[liveness][fork]") {
   // The holder forks a grandchild that outlives it: the holder's death must still read dead.
   TokenFileFixture f;
-  int p[2];
+  int p[2], g[2];
   REQUIRE(::pipe(p) == 0);
+  REQUIRE(::pipe(g) == 0);
   pid_t holder = ::fork();
   if (holder == 0) {
     ::close(p[0]);
+    ::close(g[0]);
     auto t = LivenessToken::take(f.path, 5);
     pid_t grandchild = ::fork();
     if (grandchild == 0) {
-      // The inherited token is inert here: destroying it must not release the parent's.
+      // The fork handler has closed the inherited descriptor by now (it runs inside fork());
+      // destroying the inherited token must not release the parent's either.
       t.reset();
+      if (::write(g[1], "g", 1) != 1) ::_exit(2);
       for (;;) ::pause();
     }
     if (::write(p[1], &grandchild, sizeof(grandchild)) != sizeof(grandchild)) ::_exit(2);
     for (;;) ::pause();
   }
   ::close(p[1]);
+  ::close(g[1]);
   pid_t grandchild = 0;
   REQUIRE(::read(p[0], &grandchild, sizeof(grandchild)) == sizeof(grandchild));
   ::close(p[0]);
+  // Between fork() and its child handler the grandchild briefly shares the descriptor (a
+  // probe then says alive, the safe answer); wait until it is past that.
+  char c = 0;
+  REQUIRE(::read(g[0], &c, 1) == 1);
+  ::close(g[0]);
   CHECK(probe_token(f.probe_fd, 5) == Liveness::kAlive);
   ::kill(holder, SIGKILL);
   vsa_test::wait_child(holder);
