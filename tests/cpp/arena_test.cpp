@@ -817,6 +817,30 @@ bool attach_and_hold(const std::string& name, const std::string& dir, const Allo
   }
 }
 
+// Forks a reader that attaches `name` as rank 0, holds `a` and sleeps until killed; returns
+// its pid once it holds, or -1.
+pid_t spawn_holder(const std::string& name, const std::string& dir, const Allocation& a) {
+  int p[2];
+  if (::pipe(p) != 0) return -1;
+  pid_t r = ::fork();
+  if (r == 0) {
+    ::close(p[0]);
+    std::shared_ptr<ArenaReader> held;
+    if (!attach_and_hold(name, dir, a, p[1], &held)) ::_exit(3);
+    for (;;) ::pause();
+  }
+  ::close(p[1]);
+  char c;
+  bool ok = ::read(p[0], &c, 1) == 1;
+  ::close(p[0]);
+  if (!ok) {
+    ::kill(r, SIGKILL);
+    ::waitpid(r, nullptr, 0);
+    return -1;
+  }
+  return r;
+}
+
 // Runs `body` as pid 1 of a new pid namespace (and mount namespace: with a fresh /proc of its
 // own when `own_proc`, else the parent's /proc). Returns {middle, inner} pids as this process
 // sees them, or {-1, -1} when this process may not create namespaces.
@@ -860,16 +884,9 @@ TEST_CASE("a writer out of file descriptors never declares a live reader dead",
     auto sut = ArenaWriter::create(one_slot(dir.path()));
     uint8_t v = 7;
     auto a = sut->write(&v, 1);
-    int p[2];
-    if (!a || ::pipe(p) != 0) ::_exit(2);
-    pid_t r = ::fork();
-    if (r == 0) {
-      std::shared_ptr<ArenaReader> held;
-      if (!attach_and_hold(sut->name(), dir.path(), *a, p[1], &held)) ::_exit(3);
-      for (;;) ::pause();
-    }
-    char c;
-    if (::read(p[0], &c, 1) != 1) ::_exit(4);
+    if (!a) ::_exit(2);
+    pid_t r = spawn_holder(sut->name(), dir.path(), *a);
+    if (r < 0) ::_exit(4);
     struct rlimit rl;
     ::getrlimit(RLIMIT_NOFILE, &rl);
     rl.rlim_cur = 64;
@@ -971,16 +988,9 @@ TEST_CASE("without /proc readers stay alive and a second writer is refused",
     auto sut = ArenaWriter::create(one_slot(dir.path()));
     uint8_t v = 7;
     auto a = sut->write(&v, 1);
-    int p[2];
-    if (!a || ::pipe(p) != 0) ::_exit(2);
-    pid_t r = ::fork();
-    if (r == 0) {
-      std::shared_ptr<ArenaReader> held;
-      if (!attach_and_hold(sut->name(), dir.path(), *a, p[1], &held)) ::_exit(3);
-      for (;;) ::pause();
-    }
-    char c;
-    if (::read(p[0], &c, 1) != 1) ::_exit(4);
+    if (!a) ::_exit(2);
+    pid_t r = spawn_holder(sut->name(), dir.path(), *a);
+    if (r < 0) ::_exit(4);
     int rc = 0;
     if (write_within(*sut, 20)) rc = 5;  // a live reader declared dead
     try {
