@@ -37,7 +37,7 @@ cpp-test:
 	./build/cpp/core_tests --order rand --warn NoAssertions
 
 py-test:
-	$(PY) -m pytest -q -p no:cacheprovider tests/python; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(PY) -m pytest -q -rs -p no:cacheprovider tests/python; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # Long soak runs, not part of `make test`.
 stress: bootstrap

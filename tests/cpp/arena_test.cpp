@@ -335,7 +335,7 @@ TEST_CASE("too little shared memory fails at creation with a clear message", "[a
 TEST_CASE("a full shm filesystem declines writes instead of SIGBUS", "[arena][faults]") {
   vsa_test::TempDir small(48 << 20);
   if (!small.mounted()) {
-    WARN("skipped: mounting a small tmpfs needs root (CAP_SYS_ADMIN)");
+    VSA_SKIP("mounting a small tmpfs needs root (CAP_SYS_ADMIN)");
     return;
   }
   ArenaConfig cfg = small_config(1, 4, 8 << 20);  // ~34 MiB reserved lazily
@@ -850,7 +850,7 @@ std::pair<pid_t, pid_t> spawn_in_pid_namespace(bool own_proc, const std::functio
   pid_t middle = ::fork();
   if (middle == 0) {
     ::close(p[0]);
-    if (::unshare(CLONE_NEWPID | CLONE_NEWNS) != 0) ::_exit(77);
+    if (!vsa_test::enter_namespaces(CLONE_NEWPID | CLONE_NEWNS)) ::_exit(77);
     pid_t inner = ::fork();
     if (inner == 0) {
       ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr);
@@ -959,7 +959,7 @@ TEST_CASE("readers in another pid namespace: alive while they live, reclaimed on
         for (;;) ::pause();
       });
       if (middle < 0) {
-        WARN("skipped: creating a pid namespace needs root or user namespaces");
+        VSA_SKIP("creating a pid namespace needs root or unprivileged user namespaces");
         continue;
       }
       char c;
@@ -981,7 +981,7 @@ TEST_CASE("without /proc readers stay alive and a second writer is refused",
   vsa_test::TempDir dir;
   pid_t w = ::fork();
   if (w == 0) {
-    if (::unshare(CLONE_NEWNS) != 0) ::_exit(77);
+    if (!vsa_test::enter_namespaces(CLONE_NEWNS)) ::_exit(77);
     ::mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr);
     if (::umount2("/proc", MNT_DETACH) != 0) ::_exit(77);
     if (::access("/proc/self/stat", F_OK) == 0) ::_exit(77);
@@ -1005,7 +1005,7 @@ TEST_CASE("without /proc readers stay alive and a second writer is refused",
   }
   int st = vsa_test::wait_child(w);
   if (WIFEXITED(st) && WEXITSTATUS(st) == 77) {
-    WARN("skipped: unmounting /proc in a private mount namespace needs root");
+    VSA_SKIP("unmounting /proc in a private mount namespace needs root");
     return;
   }
   INFO("child status " << st);
@@ -1060,7 +1060,7 @@ TEST_CASE("a forked child of the writer neither unlinks its name nor writes", "[
 TEST_CASE("tables are reserved at creation: a full tmpfs never raises SIGBUS", "[arena][faults]") {
   vsa_test::TempDir small(16 << 20);
   if (!small.mounted()) {
-    WARN("skipped: mounting a small tmpfs needs root (CAP_SYS_ADMIN)");
+    VSA_SKIP("mounting a small tmpfs needs root (CAP_SYS_ADMIN)");
     return;
   }
   // Tables span many pages: 1024 records x 64 B, 4 readers' release blocks of 8 KiB.
@@ -1220,7 +1220,7 @@ TEST_CASE("a takeover over corrupted records stays inside the mapping", "[arena]
 
 TEST_CASE("a segment of another user is refused at attach", "[arena][faults]") {
   if (::geteuid() != 0) {
-    WARN("skipped: chown to another uid needs root");
+    VSA_SKIP("chown to another uid needs root");
     return;
   }
   vsa_test::TempDir dir;

@@ -7,3 +7,15 @@
 #include <catch2/catch.hpp>
 #define VSA_CATCH_V3 0
 #endif
+
+#include <cstdio>
+
+/// Skips the rest of a test case with a reason that `make test` prints: a WARN for Catch2's
+/// report and a "SKIPPED" line on stdout, so skips are visible even when everything passes.
+#define VSA_SKIP(reason)                                                                     \
+  do {                                                                                       \
+    WARN(reason);                                                                            \
+    std::printf("SKIPPED: %s: %s\n", Catch::getResultCapture().getCurrentTestName().c_str(), \
+                reason);                                                                     \
+    std::fflush(stdout);                                                                     \
+  } while (0)

@@ -67,7 +67,7 @@ TEST_CASE("free-space check names sizes and the fix", "[shm][faults]") {
 TEST_CASE("reserve reports a full tmpfs as false", "[shm][faults]") {
   vsa_test::TempDir small(8 << 20);
   if (!small.mounted()) {
-    WARN("skipped: mounting a small tmpfs needs root (CAP_SYS_ADMIN)");
+    VSA_SKIP("mounting a small tmpfs needs root (CAP_SYS_ADMIN)");
     return;
   }
   // Both pass the creation check (nothing is reserved yet); together they can't be backed.

@@ -1,6 +1,7 @@
 // Helpers shared by the core's Catch2 tests: seeds, forked children with timeouts, tmpfs.
 #pragma once
 
+#include <sched.h>
 #include <signal.h>
 #include <sys/mount.h>
 #include <sys/wait.h>
@@ -74,6 +75,25 @@ class TempDir {
   std::string path_;
   bool mounted_ = false;
 };
+
+/// Enters new namespaces (`flags`: CLONE_NEWPID, CLONE_NEWNS...) as root, or, failing that,
+/// inside a new user namespace mapping this user to root (what `unshare --user
+/// --map-root-user` does). Call in a forked child only. False if neither is allowed.
+inline bool enter_namespaces(int flags) {
+  if (::unshare(flags) == 0) return true;
+  const uid_t uid = ::geteuid();
+  const gid_t gid = ::getegid();
+  if (::unshare(flags | CLONE_NEWUSER) != 0) return false;
+  auto put = [](const char* path, const std::string& text) {
+    FILE* f = std::fopen(path, "w");
+    if (f == nullptr) return false;
+    bool ok = std::fputs(text.c_str(), f) >= 0;
+    return std::fclose(f) == 0 && ok;
+  };
+  put("/proc/self/setgroups", "deny");
+  return put("/proc/self/uid_map", "0 " + std::to_string(uid) + " 1") &&
+         put("/proc/self/gid_map", "0 " + std::to_string(gid) + " 1");
+}
 
 /// A cheap, position-dependent fill so any misplaced or stale byte shows up.
 inline void fill_pattern(uint8_t* p, size_t n, uint64_t tag) {
