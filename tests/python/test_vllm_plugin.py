@@ -6,7 +6,8 @@ The fake is a handful of ``types.ModuleType``s in ``sys.modules``: ``vllm`` (wit
 and fields are copied from vLLM 0.32.0/0.33.0's ``shm_broadcast.py``, so the plugin's
 interface snapshot is checked against them). Our own queue is a stub too
 (``_import_extension`` is patched), so the factory tests build no shared memory; the real
-pairing is tests/python/test_vllm_real.py.
+pairing is tests/python/test_vllm_real.py. The last section checks vLLM's names on our own
+classes (``MessageQueue.tensor_arena``, ``ShmTensorArena``'s constructor).
 """
 
 from __future__ import annotations
@@ -759,3 +760,36 @@ def test_factory_stands_in_for_vllms_class(fake_vllm):
 def test_factory_before_register_says_so(fresh_plugin):
     with pytest.raises(RuntimeError, match="register"):
         ShmArenaMessageQueue(1, 1)
+
+
+# ------------------------------------------------------------------------ vLLM's names on ours
+def test_tensor_arena_is_vllms_name_for_arena(tmp_path, monkeypatch):
+    """vLLM's MessageQueue calls its arena ``tensor_arena``; ours answers to both names."""
+    from vllm_shm_arena import MessageQueue
+
+    monkeypatch.setenv("VLLM_SHM_ARENA_SHM_DIR", str(tmp_path))
+    mq = MessageQueue(1, 1, enable_shm_tensor_arena=True)
+    plain = MessageQueue(1, 1)
+    try:
+        assert mq.arena is not None and mq.tensor_arena is mq.arena
+        assert plain.tensor_arena is None
+        with pytest.raises(AttributeError):
+            mq.tensor_arena = None  # read-only: the arena is the queue's, set at construction
+        assert mq.arena is not None
+    finally:
+        mq.shutdown()
+        plain.shutdown()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(2, 8 << 20, 4), (2,), (2, 8 << 20)],
+    ids=["vllm_positional", "n_reader_only", "two_ints"],
+)
+def test_shm_tensor_arena_from_vllms_positional_ints_is_a_type_error(args):
+    """vLLM's own tests build ``ShmTensorArena(n_reader, slot_bytes, n_slots)``; ours is built
+    by ``create``/``attach`` and must say so instead of making an unusable object."""
+    from vllm_shm_arena import ShmTensorArena
+
+    with pytest.raises(TypeError, match=r"ShmTensorArena\.create.*ShmTensorArena\.attach"):
+        ShmTensorArena(*args)
