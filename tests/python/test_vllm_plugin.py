@@ -272,6 +272,20 @@ def test_version_from_the_installed_distribution(
     assert _plugin_records(caplog) == []
 
 
+@pytest.mark.parametrize("dunder", ["0.34.0.dev3", "0.31.0"])
+def test_a_version_number_in_vllm_wins_over_the_distribution(
+    monkeypatch, fresh_plugin, fake_ours, caplog, dunder
+):
+    """A development build (or an older vLLM) imported from a checkout while a supported wheel
+    is also installed must be judged by what is imported, not by the wheel's metadata."""
+    mpe = _install_fake_vllm(monkeypatch, version=dunder)
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "0.33.0")
+    vllm_plugin.register()
+    assert mpe.MessageQueue is StockMQ
+    recs = _plugin_records(caplog)
+    assert len(recs) == 1 and f"vLLM {dunder} is not supported" in recs[0].getMessage()
+
+
 def test_no_version_anywhere_is_unsupported(monkeypatch, fresh_plugin, fake_ours, caplog):
     mpe = _install_fake_vllm(monkeypatch, version=None)
 
