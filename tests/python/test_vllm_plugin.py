@@ -796,14 +796,23 @@ def test_tensor_arena_is_vllms_name_for_arena(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "args",
-    [(2, 8 << 20, 4), (2,), (2, 8 << 20)],
-    ids=["vllm_positional", "n_reader_only", "two_ints"],
+    ("args", "kwargs"),
+    [
+        ((2, 8 << 20, 4), {}),
+        ((2,), {}),
+        ((2, 8 << 20), {}),
+        ((2, 8 << 20, 4, "vsa_x", 0), {}),
+        ((), {"n_reader": 2, "slot_bytes": 8 << 20, "n_slots": 4}),
+        ((2,), {"reader_rank": 0}),
+    ],
+    ids=["vllm_positional", "n_reader_only", "two_ints", "all_five", "vllm_keywords", "mixed"],
 )
-def test_shm_tensor_arena_from_vllms_positional_ints_is_a_type_error(args):
-    """vLLM's own tests build ``ShmTensorArena(n_reader, slot_bytes, n_slots)``; ours is built
-    by ``create``/``attach`` and must say so instead of making an unusable object."""
+def test_shm_tensor_arena_built_like_vllms_is_a_type_error(args, kwargs):
+    """vLLM's own tests build ``ShmTensorArena(n_reader, slot_bytes, n_slots)`` (its full
+    signature: ``n_reader, slot_bytes, n_slots, name, reader_rank``); ours is built by
+    ``create``/``attach`` and must say so instead of making an unusable object or failing
+    with Python's bare argument-count error."""
     from vllm_shm_arena import ShmTensorArena
 
     with pytest.raises(TypeError, match=r"ShmTensorArena\.create.*ShmTensorArena\.attach"):
-        ShmTensorArena(*args)
+        ShmTensorArena(*args, **kwargs)
