@@ -4,7 +4,7 @@ SHELL := /bin/bash
 CLANG_FORMAT := .venv/bin/clang-format
 CXX_SOURCES = $(shell find csrc tests/cpp tests/fake_cudart benchmarks -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: bootstrap bench bench-copy bench-full test lint cpp-test py-test stress sanitize tsan asan gpu-check vllm-test format
+.PHONY: bootstrap bench bench-copy bench-full test lint cpp-test py-test stress sanitize tsan asan gpu-check vllm-test vllm-queue-tests format
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -61,6 +61,10 @@ sanitize: asan tsan
 # The vLLM plugin against the real vLLM 0.33.0 wheel (first run builds .venv-vllm; downloads).
 vllm-test:
 	bash scripts/vllm_test.sh
+
+# vLLM's own queue tests (0.33.0 sdist) with our MessageQueue swapped in; prints the counts.
+vllm-queue-tests:
+	bash scripts/vllm_queue_tests.sh
 
 # On a machine with a GPU (see scripts/gpu_check.sh).
 gpu-check:

@@ -59,4 +59,6 @@ if [ -z "$so" ] || ! "$PY" -c "import vllm_shm_arena._ext" >/dev/null 2>&1 \
 fi
 
 "$PY" -c "import vllm, torch; print(f'vllm-test: vllm {vllm.__version__}, torch {torch.__version__}')"
+# scripts/vllm_queue_tests.sh uses this script to build the venv only.
+if [ "${VLLM_TEST_SETUP_ONLY:-0}" = 1 ]; then exit 0; fi
 exec "$PY" -m pytest -q -p no:cacheprovider -m vllm tests/python/test_vllm_real.py "$@"

@@ -97,8 +97,30 @@ class ShmTensorArena:
     has completed). The writer never blocks: no free slot, too big, unsupported -> ``None``.
     """
 
-    def __init__(self, writer=None, reader=None, handle: ArenaHandle | None = None):
-        # Use create() / attach(); this constructor wraps an already built _C object.
+    def __init__(
+        self, writer=None, reader=None, handle: ArenaHandle | None = None, *args, **kwargs
+    ):
+        # Use create() / attach(); this constructor wraps an already built _C object. vLLM's
+        # own arena class is called as ShmTensorArena(n_reader, slot_bytes, n_slots, name,
+        # reader_rank): those ints would land here and make an object that only fails later,
+        # far from the mistake (*args/**kwargs exist only to catch the rest of that call).
+        if not (
+            not args
+            and not kwargs
+            and (writer is None) != (reader is None)
+            and (writer is None or isinstance(writer, _C.ArenaWriter))
+            and (reader is None or isinstance(reader, _C.ArenaReader))
+            and isinstance(handle, ArenaHandle)
+        ):
+            raise TypeError(
+                "build a ShmTensorArena with ShmTensorArena.create(n_readers, num_slots, "
+                "slot_bytes, ...) (the writer) or ShmTensorArena.attach(handle, reader_rank) "
+                "(a reader); the constructor only wraps what those built (vLLM's "
+                "ShmTensorArena(n_reader, slot_bytes, n_slots) is not this signature), got "
+                f"writer={writer!r}, reader={reader!r}, handle={handle!r}"
+                + (f", then {args!r}" if args else "")
+                + (f", keywords {sorted(kwargs)}" if kwargs else "")
+            )
         self._writer = writer
         self._reader = reader
         self._handle = handle
