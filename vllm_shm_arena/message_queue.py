@@ -14,6 +14,7 @@ Works without vLLM; the vLLM plugin swaps it in for vLLM's own queue.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import secrets
@@ -21,6 +22,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +43,8 @@ _ZERO_COPY_MIN = 64 << 10
 _STARVING_AGE_S = 30.0
 #: Warn about a long wait every this many seconds.
 _WAIT_WARN_S = 60.0
+#: At interpreter exit, how long to wait for threads to leave GIL-released calls.
+_EXIT_WAIT_S = 2.0
 
 #: Arena geometry of the queues this process creates (read once, at import).
 #: "variable": one region of _ARENA_BYTES packing any tensor up to its size (the default);
@@ -68,6 +72,72 @@ def _create_arena(n_readers: int) -> ShmTensorArena:
         arena_bytes=_ARENA_BYTES,
         max_allocations=_ARENA_MAX_ALLOCATIONS,
     )
+
+
+class _NoGilCalls:
+    """Counts threads inside the ``_C`` calls that release the GIL (ring waits, copies).
+
+    A daemon thread still inside such a call when Python finalizes is ended by CPython with
+    ``pthread_exit`` as it takes the GIL back; the forced unwind runs into pybind11's
+    ``noexcept`` ``~gil_scoped_release`` and the process aborts ("terminate called without
+    an active exception"). The exit hook closes this gate, so no new call starts, and waits
+    until no thread is inside one.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._inside = 0
+        self._closed = False
+
+    def __enter__(self) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("MessageQueue was shut down (the interpreter is exiting)")
+            self._inside += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._inside -= 1
+            if self._inside == 0:
+                self._cond.notify_all()
+
+    def close_and_wait(self, timeout: float) -> int:
+        """Lets no new call start; waits up to ``timeout`` s -> threads still inside."""
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: self._inside == 0, timeout)
+            return self._inside
+
+
+_NOGIL = _NoGilCalls()
+#: Every queue end this process built, for the exit hook (weak: never keeps one alive).
+_LIVE_QUEUES: weakref.WeakSet[MessageQueue] = weakref.WeakSet()
+
+
+def _shutdown_at_exit() -> None:
+    """Shuts down this process's live queue ends before Python finalizes: wakes blocked
+    waits, lets no new GIL-released call start, and waits a bounded time for threads to
+    leave the ones they are in."""
+    pid = os.getpid()
+    # A forked child's inherited queues belong to its parent: leave them alone.
+    queues = [q for q in list(_LIVE_QUEUES) if q._pid == pid]
+    for q in queues:
+        q._shutdown.set()  # every wait loop checks it at least once per _WAIT_SLICE_S
+    left = _NOGIL.close_and_wait(_EXIT_WAIT_S)
+    if left:
+        logger.warning(
+            "vllm_shm_arena: %d thread(s) still inside a queue call at exit after %.0f s",
+            left,
+            _EXIT_WAIT_S,
+        )
+    for q in queues:
+        try:
+            q._close()
+        except Exception:
+            logger.debug("vllm_shm_arena: closing a queue at exit failed", exc_info=True)
+
+
+atexit.register(_shutdown_at_exit)
 
 
 @dataclass
@@ -195,6 +265,7 @@ class MessageQueue:
     def _init_process_state(self) -> None:
         """State every queue end has, writer or reader."""
         self._shutdown = threading.Event()
+        self._closed = False
         # Held while a call uses the ZeroMQ sockets, so shutdown() from another thread does not
         # close a socket under it (ZeroMQ sockets are not thread-safe).
         self._io_lock = threading.RLock()
@@ -204,6 +275,7 @@ class MessageQueue:
         self._counters = {"messages": 0, "ring_messages": 0, "overflow_messages": 0, "bytes": 0}
         self._last_report = 0.0
         self._mismatches = 0
+        _LIVE_QUEUES.add(self)
 
     def _xpub(self):
         s = self._ctx.socket(zmq.XPUB)
@@ -316,7 +388,8 @@ class MessageQueue:
         if self.serialize_inband:
             dumped = Dumped(dumps_inband(obj), [], [])
         else:
-            dumped = dump_message(obj, self.arena)
+            with _NOGIL:  # the arena copy releases the GIL
+                dumped = dump_message(obj, self.arena)
         frames = [_diverted_header(dumped.diverted), dumped.data, *dumped.buffers]
         try:
             self._send(frames, deadline)
@@ -342,15 +415,16 @@ class MessageQueue:
             while True:
                 left = self._time_left(deadline, "a free ring chunk (readers are slow or stuck)")
                 slice_s = _WAIT_SLICE_S if left is None else min(_WAIT_SLICE_S, left)
-                if fits:
-                    status = self._ring.write(frames, 0, slice_s)
-                else:
-                    status = (
-                        "ok"
-                        if self._ring.write_marker(_C.RING_FLAG_OVERFLOW, slice_s)
-                        else "timeout"
-                    )
-                    status = "overflow" if status == "ok" else status
+                with _NOGIL:
+                    if fits:
+                        status = self._ring.write(frames, 0, slice_s)
+                    else:
+                        status = (
+                            "ok"
+                            if self._ring.write_marker(_C.RING_FLAG_OVERFLOW, slice_s)
+                            else "timeout"
+                        )
+                status = "overflow" if not fits and status == "ok" else status
                 if status != "timeout":
                     break
             if status == "ok":
@@ -466,7 +540,8 @@ class MessageQueue:
         if self._is_writer:
             raise RuntimeError("the writer cannot dequeue")
         if self.arena is not None:
-            self.arena.flush_releases()
+            with _NOGIL:
+                self.arena.flush_releases()
             now = time.monotonic()
             if now - self._last_report >= 1.0:
                 self._last_report = now
@@ -489,9 +564,10 @@ class MessageQueue:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError("timed out waiting for a message")
-                status, flags, frames = self._ring.read(
-                    _WAIT_SLICE_S if left is None else min(_WAIT_SLICE_S, left)
-                )
+                with _NOGIL:
+                    status, flags, frames = self._ring.read(
+                        _WAIT_SLICE_S if left is None else min(_WAIT_SLICE_S, left)
+                    )
                 if status == "ok":
                     arrived = time.perf_counter()
                     break
@@ -556,9 +632,14 @@ class MessageQueue:
     def shutdown(self) -> None:
         """Stops the queue. A reader blocked in ``dequeue`` (in this process, or every reader
         when called on the writer) wakes and raises ``RuntimeError``."""
-        if self._shutdown.is_set():
-            return
         self._shutdown.set()
+        self._close()
+
+    def _close(self) -> None:
+        """Releases what shutdown() releases; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self._is_writer and self._ring is not None:
             self._ring.shutdown()
             # Idempotent; covers a queue shut down before wait_until_ready unlinked the name.
