@@ -318,7 +318,11 @@ class ShmTensorArena:
 
     def _abort(self, diverted: Sequence[tuple[int, int]]) -> None:
         """Gives back slots whose stubs never left this process (a failed dumps)."""
-        w = self._require_writer()
+        if self._writer is None:
+            raise RuntimeError("this ShmTensorArena is a reader; only the writer can abort")
+        # Even after close(), which only unlinks the name: a send that close() interrupted
+        # must still give its slots back.
+        w = self._writer
         for slot, gen in diverted:
             w.abort(slot, gen)
 

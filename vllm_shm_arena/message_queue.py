@@ -14,6 +14,7 @@ Works without vLLM; the vLLM plugin swaps it in for vLLM's own queue.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import secrets
@@ -21,6 +22,8 @@ import socket
 import struct
 import threading
 import time
+import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +44,19 @@ _ZERO_COPY_MIN = 64 << 10
 _STARVING_AGE_S = 30.0
 #: Warn about a long wait every this many seconds.
 _WAIT_WARN_S = 60.0
+#: At interpreter exit, how long to wait for threads to leave GIL-released calls.
+_EXIT_WAIT_S = 2.0
+#: How long the writer's shutdown() waits for queued socket frames to reach the readers.
+_DRAIN_S = 5.0
+#: A reader waiting for an overflow message after the writer shut the ring down gives the
+#: socket this long to deliver what the writer's drain already handed to the kernel.
+_SHUTDOWN_GRACE_S = 2.0
+#: Most ring chunks a reader waiting on the socket takes ahead (to see the ring's shutdown
+#: flag); beyond that it stops peeking, so the ring's back-pressure still holds.
+_MAX_PEEKED = 64
+#: The writer's last frame on every socket: no message follows. Never a real message, which
+#: has at least two frames (header, pickle).
+_SHUTDOWN_FRAME = b"VSA-SHUTDOWN"
 
 #: Arena geometry of the queues this process creates (read once, at import).
 #: "variable": one region of _ARENA_BYTES packing any tensor up to its size (the default);
@@ -68,6 +84,72 @@ def _create_arena(n_readers: int) -> ShmTensorArena:
         arena_bytes=_ARENA_BYTES,
         max_allocations=_ARENA_MAX_ALLOCATIONS,
     )
+
+
+class _NoGilCalls:
+    """Counts threads inside the ``_C`` calls that release the GIL (ring waits, copies).
+
+    A daemon thread still inside such a call when Python finalizes is ended by CPython with
+    ``pthread_exit`` as it takes the GIL back; the forced unwind runs into pybind11's
+    ``noexcept`` ``~gil_scoped_release`` and the process aborts ("terminate called without
+    an active exception"). The exit hook closes this gate, so no new call starts, and waits
+    until no thread is inside one.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._inside = 0
+        self._closed = False
+
+    def __enter__(self) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("MessageQueue was shut down (the interpreter is exiting)")
+            self._inside += 1
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._inside -= 1
+            if self._inside == 0:
+                self._cond.notify_all()
+
+    def close_and_wait(self, timeout: float) -> int:
+        """Lets no new call start; waits up to ``timeout`` s -> threads still inside."""
+        with self._cond:
+            self._closed = True
+            self._cond.wait_for(lambda: self._inside == 0, timeout)
+            return self._inside
+
+
+_NOGIL = _NoGilCalls()
+#: Every queue end this process built, for the exit hook (weak: never keeps one alive).
+_LIVE_QUEUES: weakref.WeakSet[MessageQueue] = weakref.WeakSet()
+
+
+def _shutdown_at_exit() -> None:
+    """Shuts down this process's live queue ends before Python finalizes: wakes blocked
+    waits, lets no new GIL-released call start, and waits a bounded time for threads to
+    leave the ones they are in."""
+    pid = os.getpid()
+    # A forked child's inherited queues belong to its parent: leave them alone.
+    queues = [q for q in list(_LIVE_QUEUES) if q._pid == pid]
+    for q in queues:
+        q._shutdown.set()  # every wait loop checks it at least once per _WAIT_SLICE_S
+    left = _NOGIL.close_and_wait(_EXIT_WAIT_S)
+    if left:
+        logger.warning(
+            "vllm_shm_arena: %d thread(s) still inside a queue call at exit after %.0f s",
+            left,
+            _EXIT_WAIT_S,
+        )
+    for q in queues:
+        try:
+            q._close(_DRAIN_S if q._is_writer else 0.0)
+        except Exception:
+            logger.debug("vllm_shm_arena: closing a queue at exit failed", exc_info=True)
+
+
+atexit.register(_shutdown_at_exit)
 
 
 @dataclass
@@ -196,6 +278,7 @@ class MessageQueue:
     def _init_process_state(self) -> None:
         """State every queue end has, writer or reader."""
         self._shutdown = threading.Event()
+        self._closed = False
         # Held while a call uses the ZeroMQ sockets, so shutdown() from another thread does not
         # close a socket under it (ZeroMQ sockets are not thread-safe).
         self._io_lock = threading.RLock()
@@ -205,6 +288,9 @@ class MessageQueue:
         self._counters = {"messages": 0, "ring_messages": 0, "overflow_messages": 0, "bytes": 0}
         self._last_report = 0.0
         self._mismatches = 0
+        #: Ring reads taken ahead while waiting on the socket for an overflow message.
+        self._peeked: deque = deque()
+        _LIVE_QUEUES.add(self)
 
     def _xpub(self):
         s = self._ctx.socket(zmq.XPUB)
@@ -296,6 +382,8 @@ class MessageQueue:
                 sock = self.local_socket if self._is_local_reader else self.remote_socket
                 self._poll(sock, deadline, "the writer's READY")
                 msg = sock.recv()
+                if msg == _SHUTDOWN_FRAME:
+                    raise RuntimeError("MessageQueue was shut down by the writer")
                 if msg != b"READY":
                     raise RuntimeError(
                         f"unexpected first message on the queue socket: {msg[:32]!r}"
@@ -322,18 +410,25 @@ class MessageQueue:
         everything it passed (nothing sent aliases the caller's memory any more)."""
         if not self._is_writer:
             raise RuntimeError("only the writer can enqueue")
+        if self._shutdown.is_set():
+            raise RuntimeError("MessageQueue was shut down")
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.serialize_inband:
             dumped = Dumped(dumps_inband(obj), [], [])
         else:
-            dumped = dump_message(obj, self.arena)
+            with _NOGIL:  # the arena copy releases the GIL
+                dumped = dump_message(obj, self.arena)
         frames = [_diverted_header(dumped.diverted), dumped.data, *dumped.buffers]
         try:
             self._send(frames, deadline)
         except BaseException:
             if self.arena is not None and dumped.diverted:
-                # Nothing was published: readers never saw the stubs.
-                self.arena._abort(dumped.diverted)
+                # Nothing was published: readers never saw the stubs. A failure here must not
+                # replace the error that stopped the send.
+                try:
+                    self.arena._abort(dumped.diverted)
+                except Exception:
+                    logger.exception("vllm_shm_arena: giving back a failed message's slots")
             raise
         self._counters["messages"] += 1
         if self.arena is not None:
@@ -352,15 +447,16 @@ class MessageQueue:
             while True:
                 left = self._time_left(deadline, "a free ring chunk (readers are slow or stuck)")
                 slice_s = _WAIT_SLICE_S if left is None else min(_WAIT_SLICE_S, left)
-                if fits:
-                    status = self._ring.write(frames, 0, slice_s)
-                else:
-                    status = (
-                        "ok"
-                        if self._ring.write_marker(_C.RING_FLAG_OVERFLOW, slice_s)
-                        else "timeout"
-                    )
-                    status = "overflow" if status == "ok" else status
+                with _NOGIL:
+                    if fits:
+                        status = self._ring.write(frames, 0, slice_s)
+                    else:
+                        status = (
+                            "ok"
+                            if self._ring.write_marker(_C.RING_FLAG_OVERFLOW, slice_s)
+                            else "timeout"
+                        )
+                status = "overflow" if not fits and status == "ok" else status
                 if status != "timeout":
                     break
             if status == "ok":
@@ -476,7 +572,8 @@ class MessageQueue:
         if self._is_writer:
             raise RuntimeError("the writer cannot dequeue")
         if self.arena is not None:
-            self.arena.flush_releases()
+            with _NOGIL:
+                self.arena.flush_releases()
             now = time.monotonic()
             if now - self._last_report >= 1.0:
                 self._last_report = now
@@ -499,9 +596,13 @@ class MessageQueue:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError("timed out waiting for a message")
-                status, flags, frames = self._ring.read(
-                    _WAIT_SLICE_S if left is None else min(_WAIT_SLICE_S, left)
-                )
+                if self._peeked:
+                    status, flags, frames = self._peeked.popleft()
+                else:
+                    with _NOGIL:
+                        status, flags, frames = self._ring.read(
+                            _WAIT_SLICE_S if left is None else min(_WAIT_SLICE_S, left)
+                        )
                 if status == "ok":
                     arrived = time.perf_counter()
                     break
@@ -511,7 +612,7 @@ class MessageQueue:
                     warned_at = time.monotonic()
                     logger.info("no message for %.0f s (still waiting)", warned_at - started)
             if flags & _C.RING_FLAG_OVERFLOW:
-                frames = self._recv_socket(self.local_socket, deadline)
+                frames = self._recv_socket(self.local_socket, deadline, watch_ring=True)
                 self._counters["overflow_messages"] += 1
             else:
                 self._counters["ring_messages"] += 1
@@ -524,11 +625,46 @@ class MessageQueue:
         self.last_dequeue_s = time.perf_counter() - arrived
         return obj
 
-    def _recv_socket(self, sock, deadline):
+    def _recv_socket(self, sock, deadline, watch_ring: bool = False):
+        """The next message on ``sock``. ``watch_ring``: the ring announced it (an overflow
+        marker), so also watch the ring's shutdown flag: if the writer shut down without
+        sending it (its enqueue was interrupted, or a finalizer closed the socket), give up
+        after _SHUTDOWN_GRACE_S instead of waiting for good."""
+        writer_gone_at = None
         with self._io_lock:
-            self._poll(sock, deadline, "a message on the socket")
+            while True:
+                if self._shutdown.is_set():
+                    raise RuntimeError("MessageQueue was shut down")
+                now = time.monotonic()
+                wait = _WAIT_SLICE_S if deadline is None else min(_WAIT_SLICE_S, deadline - now)
+                if wait <= 0:
+                    raise TimeoutError("timed out waiting for a message on the socket")
+                if sock.poll(int(wait * 1000)):
+                    break
+                if watch_ring and writer_gone_at is None and self._ring_shut_down():
+                    writer_gone_at = time.monotonic()
+                if writer_gone_at is not None:
+                    if time.monotonic() - writer_gone_at > _SHUTDOWN_GRACE_S:
+                        raise RuntimeError(
+                            "MessageQueue was shut down by the writer before it sent the "
+                            "message its ring announced"
+                        )
             # Zero-copy frames: each belongs to this reader for good, so tensors may alias them.
-            return [f.buffer for f in sock.recv_multipart(copy=False)]
+            frames = sock.recv_multipart(copy=False)
+        if len(frames) == 1 and frames[0].bytes == _SHUTDOWN_FRAME:
+            raise RuntimeError("MessageQueue was shut down by the writer")
+        return [f.buffer for f in frames]
+
+    def _ring_shut_down(self) -> bool:
+        """Whether the writer shut the ring down after publishing everything in it. Reads
+        the ring without waiting; chunks it takes are kept for the next dequeues, in order."""
+        while len(self._peeked) < _MAX_PEEKED:
+            with _NOGIL:
+                got = self._ring.read(0.0)
+            if got[0] != "ok":
+                return got[0] == "shutdown"
+            self._peeked.append(got)
+        return False
 
     def _unpickle(self, frames):
         diverted = _parse_diverted(frames[0]) if len(frames[0]) else []
@@ -565,28 +701,47 @@ class MessageQueue:
 
     def shutdown(self) -> None:
         """Stops the queue. A reader blocked in ``dequeue`` (in this process, or every reader
-        when called on the writer) wakes and raises ``RuntimeError``."""
-        if self._shutdown.is_set():
-            return
+        when called on the writer) wakes and raises ``RuntimeError``.
+
+        On the writer, every message an ``enqueue`` returned for is delivered first: queued
+        socket frames get up to _DRAIN_S (5 s) to reach the readers, then the ring is shut
+        down; readers see the shutdown only after the messages before it."""
         self._shutdown.set()
         if os.getpid() != self._pid:
             # A forked child's inherited copy: the ring, the sockets, the arena and their names
             # are the parent's; shutting them down here would stop the parent's queue.
             return
-        if self._is_writer and self._ring is not None:
-            self._ring.shutdown()
-            # Idempotent; covers a queue shut down before wait_until_ready unlinked the name.
-            self._ring.unlink()
+        self._close(_DRAIN_S if self._is_writer else 0.0)
+
+    def _close(self, drain_s: float) -> None:
+        """Releases what shutdown() releases, draining the writer's sockets for at most
+        ``drain_s``; idempotent. Never in a forked child (see shutdown)."""
+        if self._closed or os.getpid() != self._pid:
+            return
+        self._closed = True
         # A call blocked on a socket in another thread sees the flag within one wait slice and
         # lets go of the lock; only then are the sockets closed.
         locked = self._io_lock.acquire(timeout=10 * _WAIT_SLICE_S)
         try:
-            for s in (self.local_socket, self.remote_socket):
-                if s is not None:
-                    s.close(linger=0)
+            socks = [s for s in (self.local_socket, self.remote_socket) if s is not None]
+            linger_ms = int(drain_s * 1000) if locked else 0
+            for s in socks:
+                if self._is_writer and linger_ms:
+                    # Queued after every message sent: a reader waiting on the socket for an
+                    # overflow message that never went out learns that none is coming.
+                    s.send(_SHUTDOWN_FRAME)
+                s.close(linger=linger_ms)
+            # Returns once every frame queued on those sockets went out (to the kernel, which
+            # then delivers it to the reader's ZeroMQ) or the linger ran out.
+            self._ctx.term()
         finally:
             if locked:
                 self._io_lock.release()
+        # Only now: the ring's shutdown flag tells readers that nothing follows.
+        if self._is_writer and self._ring is not None:
+            self._ring.shutdown()
+            # Idempotent; covers a queue shut down before wait_until_ready unlinked the name.
+            self._ring.unlink()
         if self.arena is not None and self._is_writer:
             metrics.record_writer_stats(self.arena.stats(), key=self.arena.name)  # final totals
             self.arena.close()

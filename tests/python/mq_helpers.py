@@ -450,6 +450,34 @@ def inplace_reader(handle, rank, q, seen, mutated):
         q.put({"rank": rank, "error": f"{type(e).__name__}: {e}"})
 
 
+def many_frames_msg(seq: int, n_parts: int = 25, part_bytes: int = 48 << 10) -> dict:
+    """Message ``seq`` as ``n_parts`` distinct int32 tensors of ``part_bytes`` filled with
+    ``seq``: each travels as its own out-of-band frame, small enough that ZeroMQ copies it
+    (so ``enqueue`` returns while the frames may still sit in ZeroMQ's queue)."""
+    return {
+        "seq": seq,
+        "parts": [torch.full((part_bytes // 4,), seq, dtype=torch.int32) for _ in range(n_parts)],
+    }
+
+
+def draining_reader(handle, rank, q):
+    """Reports "ready", then dequeues (no timeout) until dequeue raises, reporting each
+    message's seq (and whether its parts are intact) and finally the exception."""
+    try:
+        r = _reader_setup(handle, rank)
+        q.put(("ready", None))
+        while True:
+            try:
+                msg = r.dequeue()
+            except BaseException as e:
+                q.put(("end", f"{type(e).__name__}: {e}"))
+                return
+            ok = all(bool((p == msg["seq"]).all()) for p in msg["parts"])
+            q.put(("msg", (msg["seq"], ok)))
+    except BaseException as e:
+        q.put(("error", f"{type(e).__name__}: {e}"))
+
+
 def drop_inherited_writer(box):
     """A forked child drops its inherited copy of the writer, as if it were garbage."""
     box.clear()
