@@ -25,6 +25,7 @@ _EXPORTS = {
     "_rebuild_arena_tensor": "vllm_shm_arena.arena",
     "Handle": "vllm_shm_arena.message_queue",
     "MessageQueue": "vllm_shm_arena.message_queue",
+    "WriterDiedError": "vllm_shm_arena.message_queue",
     "_ArenaPickler": "vllm_shm_arena.pickler",
     "_rebuild_tensor": "vllm_shm_arena.pickler",
     "_reduce_tensor": "vllm_shm_arena.pickler",
@@ -38,6 +39,7 @@ __all__ = [
     "Handle",
     "MessageQueue",
     "ShmTensorArena",
+    "WriterDiedError",
     "_ArenaPickler",
     "_TENSOR_ARENAS",
     "_rebuild_arena_parameter",
@@ -58,7 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover
         _rebuild_arena_parameter,
         _rebuild_arena_tensor,
     )
-    from vllm_shm_arena.message_queue import Handle, MessageQueue
+    from vllm_shm_arena.message_queue import Handle, MessageQueue, WriterDiedError
     from vllm_shm_arena.pickler import _ArenaPickler, _rebuild_tensor, _reduce_tensor, dumps, loads
 
 

@@ -164,6 +164,17 @@ class Handle:
     tensor_arena_handle: ArenaHandle | None = None
 
 
+class WriterDiedError(RuntimeError):
+    """The queue's writer process is gone (the kernel released its liveness token): no more
+    messages will come. Messages it published before dying were delivered first."""
+
+
+def _writer_died(what: str) -> WriterDiedError:
+    return WriterDiedError(
+        f"MessageQueue: the writer process died ({what}); no more messages will come"
+    )
+
+
 class _RateLimitedLog:
     """One log line per key per interval."""
 
@@ -288,6 +299,7 @@ class MessageQueue:
         self._counters = {"messages": 0, "ring_messages": 0, "overflow_messages": 0, "bytes": 0}
         self._last_report = 0.0
         self._mismatches = 0
+        self._liveness_logged: dict[str, int] = {}  # verdict counts already logged
         #: Ring reads taken ahead while waiting on the socket for an overflow message.
         self._peeked: deque = deque()
         _LIVE_QUEUES.add(self)
@@ -380,7 +392,7 @@ class MessageQueue:
                     self.arena.unlink()
             else:
                 sock = self.local_socket if self._is_local_reader else self.remote_socket
-                self._poll(sock, deadline, "the writer's READY")
+                self._poll(sock, deadline, "the writer's READY", watch_writer=self._is_local_reader)
                 msg = sock.recv()
                 if msg == _SHUTDOWN_FRAME:
                     raise RuntimeError("MessageQueue was shut down by the writer")
@@ -390,7 +402,7 @@ class MessageQueue:
                     )
         self._ready = True
 
-    def _poll(self, sock, deadline, what):
+    def _poll(self, sock, deadline, what, watch_writer: bool = False):
         while True:
             if self._shutdown.is_set():
                 raise RuntimeError("MessageQueue was shut down")
@@ -403,6 +415,13 @@ class MessageQueue:
                 raise TimeoutError(f"timed out waiting for {what}")
             if sock.poll(int(wait * 1000)):
                 return
+            if watch_writer and self._writer_is_dead() and not sock.poll(0):
+                raise _writer_died(f"while waiting for {what}")
+
+    def _writer_is_dead(self) -> bool:
+        """Local readers: the writer's liveness token in the ring is free (positive evidence;
+        a probe the kernel cannot answer counts as alive). Remote readers cannot tell."""
+        return self._ring is not None and self._ring.writer_liveness() == "dead"
 
     # ------------------------------------------------------------------ writer
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
@@ -431,12 +450,13 @@ class MessageQueue:
                     logger.exception("vllm_shm_arena: giving back a failed message's slots")
             raise
         self._counters["messages"] += 1
-        if self.arena is not None:
-            now = time.monotonic()
-            # Counters, fallback logs and metrics, at most once a second: stats() walks every
-            # allocation and reader, too much for every message.
-            if now - self._last_report >= 1.0:
-                self._last_report = now
+        now = time.monotonic()
+        # Counters, fallback logs and metrics, at most once a second: stats() walks every
+        # allocation and reader, too much for every message.
+        if now - self._last_report >= 1.0:
+            self._last_report = now
+            self._report_liveness()
+            if self.arena is not None:
                 self._report_arena()
 
     def _send(self, frames: list, deadline: float | None) -> None:
@@ -532,6 +552,36 @@ class MessageQueue:
         t = self.arena.empty(shape, dtype) if self.arena is not None else None
         return t if t is not None else torch.empty(tuple(shape), dtype=dtype)
 
+    def _report_liveness(self) -> None:
+        """Logs every liveness verdict other than alive, once per new count: readers found
+        dead (their holdings reclaimed, their ring rank dropped) and probes the kernel did not
+        answer (those readers were kept as alive)."""
+        counts = {}
+        if self._ring is not None:
+            counts["ring_dropped"] = self._ring.dropped_readers()
+            counts["ring_unknown"] = self._ring.liveness_unknown()
+        if self.arena is not None:
+            s = self.arena._require_writer().stats()
+            counts["arena_dead"] = s["dead_readers"]
+            counts["arena_unknown"] = s["liveness_unknown"]
+        for key, n in counts.items():
+            if n <= self._liveness_logged.get(key, 0):
+                continue
+            self._liveness_logged[key] = n
+            if key.endswith("unknown"):
+                logger.warning(
+                    "vllm_shm_arena: %d liveness probe(s) of a lagging reader got no answer from "
+                    "the kernel (%s); those readers are kept as alive",
+                    n,
+                    "ring" if key.startswith("ring") else "arena",
+                )
+            else:
+                logger.warning(
+                    "vllm_shm_arena: %d reader(s) found dead (%s); what they held was reclaimed",
+                    n,
+                    "ring rank dropped" if key.startswith("ring") else "arena allocations",
+                )
+
     def _report_arena(self) -> None:
         s = self.arena.stats()
         metrics.record_writer_stats(s, key=self.arena.name)
@@ -608,6 +658,8 @@ class MessageQueue:
                     break
                 if status == "shutdown":
                     raise RuntimeError("MessageQueue was shut down by the writer")
+                if status == "writer_dead":
+                    raise _writer_died("noticed while waiting for a message")
                 if not indefinite and time.monotonic() - warned_at > _WAIT_WARN_S:
                     warned_at = time.monotonic()
                     logger.info("no message for %.0f s (still waiting)", warned_at - started)
@@ -641,6 +693,10 @@ class MessageQueue:
                     raise TimeoutError("timed out waiting for a message on the socket")
                 if sock.poll(int(wait * 1000)):
                     break
+                if watch_ring and self._writer_is_dead():
+                    if sock.poll(0):  # sent before it died: still delivered
+                        break
+                    raise _writer_died("its ring announced a message it never sent")
                 if watch_ring and writer_gone_at is None and self._ring_shut_down():
                     writer_gone_at = time.monotonic()
                 if writer_gone_at is not None:
@@ -695,6 +751,7 @@ class MessageQueue:
         )
         if self._is_writer and self._ring is not None:
             out["dropped_readers"] = self._ring.dropped_readers()
+            out["liveness_unknown"] = self._ring.liveness_unknown()
         if self.arena is not None:
             out["arena"] = self.arena.stats()
         return out

@@ -575,7 +575,8 @@ RingReader::Status RingReader::acquire(int64_t timeout_ns, const uint8_t** data,
         if (i % 64 == 0 && now_ns() >= spin_end) break;
       }
     }
-    int64_t next_writer_check = now_ns() + kWriterCheckNs;
+    // The first check is due at once (callers wait in short slices), then every 100 ms.
+    int64_t next_writer_check = now_ns();
     while (!ready(std::memory_order_acquire)) {
       // SYNC POINT: acquire; pairs with the seq_cst store of shutdown in RingWriter::shutdown,
       // which follows every publish, so the ready() re-check below sees the last message.

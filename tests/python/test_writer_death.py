@@ -1,0 +1,154 @@
+"""Readers notice a dead writer (issue: the queue under faults, item 1).
+
+The writer runs in a subprocess that prints its pickled handle, waits until the reader is
+ready, sends what the test asks, then is SIGKILLed (or kills itself mid-send). The reader, in
+this process, must get every message sent before the death and then a WriterDiedError, well
+before its own timeout, whether it waits on the ring, on the overflow socket, or for READY.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_shm_arena import MessageQueue, WriterDiedError
+
+REPO = Path(__file__).resolve().parents[2]
+
+WRITER = """
+import base64, os, pickle, signal, sys, torch
+from vllm_shm_arena import MessageQueue
+mode = sys.argv[1]
+mq = MessageQueue(1, 1, max_chunk_bytes=1 << 20, enable_shm_tensor_arena=True)
+print(base64.b64encode(pickle.dumps(mq.export_handle())).decode(), flush=True)
+if mode == "before_ready":
+    sys.stdin.readline()
+    os.kill(os.getpid(), signal.SIGKILL)
+mq.wait_until_ready(timeout=60)
+mq.enqueue({"n": 1, "t": torch.full((2 << 20,), 7, dtype=torch.uint8)})  # via the arena
+mq.enqueue({"n": 2})
+if mode == "mid_overflow":
+    # Publishes the ring's overflow marker, then dies before the socket frames go out.
+    mq._send_socket = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    mq.enqueue({"n": 3, "blob": b"x" * (4 << 20)})
+print("sent", flush=True)
+sys.stdin.readline()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _start_writer(mode: str):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    p = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(WRITER), mode],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    handle = pickle.loads(base64.b64decode(p.stdout.readline()))
+    return p, handle
+
+
+def _in_thread(fn, timeout: float):
+    """Runs fn() in a thread; returns (result, exception, seconds) or fails on a hang."""
+    out = {}
+
+    def run():
+        t0 = time.monotonic()
+        try:
+            out["result"] = fn()
+        except BaseException as e:
+            out["error"] = e
+        out["seconds"] = time.monotonic() - t0
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(timeout)
+    assert not th.is_alive(), f"still blocked after {timeout} s"
+    return out.get("result"), out.get("error"), out["seconds"]
+
+
+def test_a_reader_blocked_in_dequeue_learns_the_writer_died():
+    p, handle = _start_writer("ring")
+    r = MessageQueue.create_from_handle(handle, 0)
+    try:
+        r.wait_until_ready(timeout=60)
+        first = r.dequeue(timeout=60)
+        assert first["n"] == 1 and int(first["t"][0]) == 7
+        assert r.dequeue(timeout=60) == {"n": 2}
+        assert p.stdout.readline().strip() == "sent"
+        p.stdin.write("\n")
+        p.stdin.flush()
+        p.wait(timeout=30)
+        _, err, seconds = _in_thread(lambda: r.dequeue(timeout=None), timeout=60)
+        print(f"dead writer noticed in dequeue(timeout=None) after {seconds:.2f} s")
+        assert isinstance(err, WriterDiedError), err
+        # A tensor already held stays readable after the writer is gone.
+        assert int(first["t"][-1]) == 7
+    finally:
+        r.shutdown()
+        if p.poll() is None:
+            p.kill()
+
+
+def test_a_reader_waiting_for_an_announced_overflow_message_learns_the_writer_died():
+    p, handle = _start_writer("mid_overflow")
+    r = MessageQueue.create_from_handle(handle, 0)
+    try:
+        r.wait_until_ready(timeout=60)
+        assert r.dequeue(timeout=60)["n"] == 1
+        assert r.dequeue(timeout=60) == {"n": 2}
+        p.wait(timeout=60)
+        assert p.returncode == -signal.SIGKILL
+        _, err, seconds = _in_thread(lambda: r.dequeue(timeout=120), timeout=60)
+        print(f"dead writer noticed on the overflow socket after {seconds:.2f} s")
+        assert isinstance(err, WriterDiedError), err
+    finally:
+        r.shutdown()
+        if p.poll() is None:
+            p.kill()
+
+
+def test_a_reader_waiting_for_ready_learns_the_writer_died():
+    p, handle = _start_writer("before_ready")
+    r = MessageQueue.create_from_handle(handle, 0)
+    try:
+        p.stdin.write("\n")
+        p.stdin.flush()
+        p.wait(timeout=30)
+        _, err, seconds = _in_thread(lambda: r.wait_until_ready(timeout=120), timeout=60)
+        print(f"dead writer noticed in wait_until_ready after {seconds:.2f} s")
+        assert isinstance(err, WriterDiedError), err
+    finally:
+        r.shutdown()
+        if p.poll() is None:
+            p.kill()
+
+
+def test_a_live_but_silent_writer_is_not_reported_dead():
+    """No false positives: a writer that is alive but sends nothing gives a TimeoutError."""
+    mq = MessageQueue(1, 1)
+    r = MessageQueue.create_from_handle(mq.export_handle(), 0)
+    ths = [threading.Thread(target=x.wait_until_ready, args=(30,)) for x in (mq, r)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(30)
+    try:
+        with pytest.raises(TimeoutError):
+            r.dequeue(timeout=0.5)
+    finally:
+        mq.shutdown()
+        r.shutdown()
