@@ -152,3 +152,36 @@ def test_a_live_but_silent_writer_is_not_reported_dead():
     finally:
         mq.shutdown()
         r.shutdown()
+
+
+def test_liveness_verdicts_other_than_alive_are_logged_once_per_new_count(caplog):
+    """Readers found dead and probes the kernel did not answer are reported, each new count
+    once (the counts come from the ring and the arena writer)."""
+    import logging
+
+    class Ring:
+        dropped, unknown = 0, 0
+
+        def dropped_readers(self):
+            return self.dropped
+
+        def liveness_unknown(self):
+            return self.unknown
+
+    mq = MessageQueue(1, 1)
+    real, fake = mq._ring, Ring()
+    mq._ring = fake
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm_shm_arena"):
+            mq._report_liveness()
+            fake.dropped, fake.unknown = 1, 3
+            mq._report_liveness()
+            mq._report_liveness()  # nothing new: nothing logged
+            fake.dropped = 2
+            mq._report_liveness()
+        lines = [r.getMessage() for r in caplog.records]
+        assert sum("found dead" in m for m in lines) == 2, lines
+        assert sum("got no answer" in m for m in lines) == 1, lines
+    finally:
+        mq._ring = real
+        mq.shutdown()
