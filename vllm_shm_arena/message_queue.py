@@ -20,6 +20,7 @@ import os
 import secrets
 import socket
 import struct
+import sys
 import threading
 import time
 import weakref
@@ -42,8 +43,23 @@ _WAIT_SLICE_S = 0.1
 _ZERO_COPY_MIN = 64 << 10
 #: A reader holding slots this long is reported as starving the arena.
 _STARVING_AGE_S = 30.0
-#: Warn about a long wait every this many seconds.
-_WAIT_WARN_S = 60.0
+#: Warn about a long wait every this many seconds (vLLM's VLLM_RINGBUFFER_WARNING_INTERVAL).
+_WAIT_WARN_S = float(os.environ.get("VLLM_RINGBUFFER_WARNING_INTERVAL", "60"))
+#: vLLM's wording, so operators' log searches and alerts keep working.
+_LONG_WAIT_MSG = (
+    "No available shared memory broadcast block found in %d seconds. This typically happens "
+    "when some processes are hanging or doing some time-consuming work (e.g. compilation)"
+)
+
+
+def _warn_interval() -> float:
+    """The long-wait warning interval: vLLM's module constant when vLLM is loaded (tests and
+    operators patch it there), else VLLM_RINGBUFFER_WARNING_INTERVAL."""
+    mod = sys.modules.get("vllm.distributed.device_communicators.shm_broadcast")
+    v = getattr(mod, "VLLM_RINGBUFFER_WARNING_INTERVAL", None) if mod is not None else None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else _WAIT_WARN_S
+
+
 #: At interpreter exit, how long to wait for threads to leave GIL-released calls.
 _EXIT_WAIT_S = 2.0
 #: How long the writer's shutdown() waits for queued socket frames to reach the readers.
@@ -261,7 +277,7 @@ class MessageQueue:
             self.local_socket.bind(local_addr)
         if self.n_remote_reader > 0:
             if connect_ip is None:
-                raise ValueError("remote readers need connect_ip (an address they can reach)")
+                connect_ip = _local_ip()  # vLLM's default: this node's address
             self.remote_socket = self._xpub()
             port = self.remote_socket.bind_to_random_port(f"tcp://{connect_ip}")
             remote_addr = f"tcp://{connect_ip}:{port}"
@@ -639,6 +655,7 @@ class MessageQueue:
         deadline = None if timeout is None else time.monotonic() + timeout
         started = time.monotonic()
         warned_at = started
+        warn_every = _warn_interval()
         if self._is_local_reader:
             while True:
                 if self._shutdown.is_set():
@@ -660,9 +677,9 @@ class MessageQueue:
                     raise RuntimeError("MessageQueue was shut down by the writer")
                 if status == "writer_dead":
                     raise _writer_died("noticed while waiting for a message")
-                if not indefinite and time.monotonic() - warned_at > _WAIT_WARN_S:
+                if not indefinite and time.monotonic() - warned_at >= warn_every:
                     warned_at = time.monotonic()
-                    logger.info("no message for %.0f s (still waiting)", warned_at - started)
+                    logger.warning(_LONG_WAIT_MSG, warned_at - started)
             if flags & _C.RING_FLAG_OVERFLOW:
                 frames = self._recv_socket(self.local_socket, deadline, watch_ring=True)
                 self._counters["overflow_messages"] += 1
@@ -823,38 +840,117 @@ class MessageQueue:
         max_chunk_bytes: int,
         max_chunks: int,
         writer_rank: int = 0,
+        external_writer_handle: Handle | None = None,
+        blocking: bool = True,
         *,
         enable_shm_tensor_arena: bool = False,
     ) -> MessageQueue:
-        """Builds a queue over a torch.distributed group (e.g. gloo): ``writer_rank`` writes,
-        every other rank reads; readers on the writer's host use shared memory."""
-        import torch.distributed as dist
-
-        group_rank = dist.get_rank(pg)
-        world = dist.get_world_size(pg)
-        ranks = dist.get_process_group_ranks(pg)
-        hosts = [None] * world
-        dist.all_gather_object(hosts, socket.gethostname(), group=pg)
-        local = [r for r in range(world) if r != writer_rank and hosts[r] == hosts[writer_rank]]
-        n_reader = world - 1
-        if group_rank == writer_rank:
-            connect_ip = None
-            if len(local) < n_reader:
-                connect_ip = socket.gethostbyname(socket.gethostname())
-            mq = MessageQueue(
-                n_reader,
-                len(local),
-                local,
-                max_chunk_bytes=max_chunk_bytes,
-                max_chunks=max_chunks,
-                connect_ip=connect_ip,
-                enable_shm_tensor_arena=enable_shm_tensor_arena,
-            )
-            obj = [mq.export_handle()]
-            dist.broadcast_object_list(obj, src=ranks[writer_rank], group=pg)
+        """Builds a queue over a process group: ``writer_rank`` writes, every other rank reads;
+        readers on the writer's host use shared memory. ``pg`` is a ``torch.distributed``
+        group (e.g. gloo) or anything with vLLM's ``StatelessProcessGroup`` interface
+        (``rank``, ``world_size``, ``broadcast_obj``, ``all_gather_obj``). With
+        ``external_writer_handle`` the writer rank joins that queue instead of creating one
+        (vLLM's meaning); with ``blocking`` every rank waits until the queue is ready."""
+        g = _Group(pg)
+        hosts = g.all_gather(socket.gethostname())
+        local = [r for r in range(g.world) if r != writer_rank and hosts[r] == hosts[writer_rank]]
+        n_reader = g.world - 1
+        if g.rank == writer_rank:
+            if external_writer_handle is not None:
+                mq = MessageQueue.create_from_handle(external_writer_handle, g.rank)
+            else:
+                mq = MessageQueue(
+                    n_reader,
+                    len(local),
+                    local,
+                    max_chunk_bytes=max_chunk_bytes,
+                    max_chunks=max_chunks,
+                    connect_ip=None if len(local) == n_reader else _local_ip(),
+                    enable_shm_tensor_arena=enable_shm_tensor_arena,
+                )
+            g.broadcast(mq.export_handle(), writer_rank)
         else:
-            obj = [None]
-            dist.broadcast_object_list(obj, src=ranks[writer_rank], group=pg)
-            mq = MessageQueue.create_from_handle(obj[0], group_rank)
-        mq.wait_until_ready()
+            mq = MessageQueue.create_from_handle(g.broadcast(None, writer_rank), g.rank)
+        if blocking:
+            mq.wait_until_ready()
         return mq
+
+    @staticmethod
+    def create_from_process_group_single_reader(
+        pg,
+        max_chunk_bytes: int,
+        max_chunks: int,
+        reader_rank: int = 0,
+        blocking: bool = False,
+    ) -> tuple[MessageQueue, list[Handle]]:
+        """vLLM's many-writers-one-reader setup: every rank creates a queue with one reader
+        (local when it shares ``reader_rank``'s host) and the handles are gathered to
+        ``reader_rank``, which joins each with ``create_from_handle``. Returns this rank's
+        queue and, on the reader rank, every rank's handle (empty elsewhere)."""
+        g = _Group(pg)
+        hosts = g.all_gather(socket.gethostname())
+        same_node = hosts[g.rank] == hosts[reader_rank]
+        mq = MessageQueue(
+            n_reader=1,
+            n_local_reader=1 if same_node else 0,
+            max_chunk_bytes=max_chunk_bytes,
+            max_chunks=max_chunks,
+            connect_ip=None if same_node else _local_ip(),
+        )
+        handles = g.gather(mq.export_handle(), reader_rank)
+        if blocking:
+            mq.wait_until_ready()
+        return mq, handles if g.rank == reader_rank else []
+
+
+def _local_ip() -> str:
+    """The address remote readers connect to when the caller gives none: VLLM_HOST_IP, else
+    vLLM's own choice (``get_ip``) when vLLM is importable, else this host name's address."""
+    ip = os.environ.get("VLLM_HOST_IP")
+    if ip:
+        return ip
+    try:
+        from vllm.utils.network_utils import get_ip
+    except Exception:
+        get_ip = None
+    if get_ip is not None:
+        return get_ip()
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class _Group:
+    """One view of a torch.distributed group or a vLLM ``StatelessProcessGroup``."""
+
+    def __init__(self, pg):
+        self.pg = pg
+        self.stateless = hasattr(pg, "broadcast_obj") and hasattr(pg, "world_size")
+        if self.stateless:
+            self.rank, self.world = int(pg.rank), int(pg.world_size)
+        else:
+            import torch.distributed as dist
+
+            self.dist = dist
+            self.rank = dist.get_rank(pg)
+            self.world = dist.get_world_size(pg)
+            self.ranks = dist.get_process_group_ranks(pg)
+
+    def all_gather(self, obj) -> list:
+        if self.stateless:
+            return list(self.pg.all_gather_obj(obj))
+        out = [None] * self.world
+        self.dist.all_gather_object(out, obj, group=self.pg)
+        return out
+
+    def broadcast(self, obj, src: int):
+        if self.stateless:
+            return self.pg.broadcast_obj(obj, src)
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=self.ranks[src], group=self.pg)
+        return box[0]
+
+    def gather(self, obj, dst: int) -> list:
+        # all_gather: StatelessProcessGroup has no gather, and the handles are small.
+        return self.all_gather(obj)
