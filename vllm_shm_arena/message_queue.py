@@ -316,6 +316,7 @@ class MessageQueue:
         self._last_report = 0.0
         self._mismatches = 0
         self._liveness_logged: dict[str, int] = {}  # verdict counts already logged
+        self._report_timer: threading.Timer | None = None  # a report owed (see _maybe_report)
         #: Ring reads taken ahead while waiting on the socket for an overflow message.
         self._peeked: deque = deque()
         _LIVE_QUEUES.add(self)
@@ -466,14 +467,7 @@ class MessageQueue:
                     logger.exception("vllm_shm_arena: giving back a failed message's slots")
             raise
         self._counters["messages"] += 1
-        now = time.monotonic()
-        # Counters, fallback logs and metrics, at most once a second: stats() walks every
-        # allocation and reader, too much for every message.
-        if now - self._last_report >= 1.0:
-            self._last_report = now
-            self._report_liveness()
-            if self.arena is not None:
-                self._report_arena()
+        self._maybe_report()
 
     def _send(self, frames: list, deadline: float | None) -> None:
         sizes = [memoryview(f).nbytes for f in frames]
@@ -568,6 +562,48 @@ class MessageQueue:
         t = self.arena.empty(shape, dtype) if self.arena is not None else None
         return t if t is not None else torch.empty(tuple(shape), dtype=dtype)
 
+    def _maybe_report(self) -> None:
+        """Counters, logs and metrics at most once a second (stats() walks every allocation
+        and reader: too much for every message). A report skipped for that reason is made by
+        a one-shot timer instead, so totals settle within about a second of the last message
+        even when the queue then goes idle."""
+        now = time.monotonic()
+        if now - self._last_report >= 1.0:
+            self._last_report = now
+            self._report()
+        elif self._report_timer is None:
+            t = threading.Timer(1.0 - (now - self._last_report), self._report_from_timer)
+            t.daemon = True
+            self._report_timer = t
+            t.start()
+
+    def _report_from_timer(self) -> None:
+        self._report_timer = None
+        # Threads do not survive fork, but a child could still call this by hand.
+        if os.getpid() != self._pid or self._closed:
+            return
+        self._last_report = time.monotonic()
+        try:
+            self._report()
+        except Exception:  # a report must never take the process down from a timer thread
+            logger.debug("vllm_shm_arena: a timed stats report failed", exc_info=True)
+
+    def _report(self) -> None:
+        if self._is_writer:
+            self._report_liveness()
+            if self.arena is not None:
+                self._report_arena()
+        elif self.arena is not None:
+            rs = self.arena.stats()
+            metrics.record_reader_stats(rs)
+            if rs["checksum_mismatches"] > self._mismatches:
+                self._mismatches = rs["checksum_mismatches"]
+                logger.warning(
+                    "vllm_shm_arena: %d arena tensor(s) changed between write and release "
+                    "(an in-place write by a reader? other readers saw it too)",
+                    self._mismatches,
+                )
+
     def _report_liveness(self) -> None:
         """Logs every liveness verdict other than alive, once per new count: readers found
         dead (their holdings reclaimed, their ring rank dropped) and probes the kernel did not
@@ -640,18 +676,7 @@ class MessageQueue:
         if self.arena is not None:
             with _NOGIL:
                 self.arena.flush_releases()
-            now = time.monotonic()
-            if now - self._last_report >= 1.0:
-                self._last_report = now
-                rs = self.arena.stats()
-                metrics.record_reader_stats(rs)
-                if rs["checksum_mismatches"] > self._mismatches:
-                    self._mismatches = rs["checksum_mismatches"]
-                    logger.warning(
-                        "vllm_shm_arena: %d arena tensor(s) changed between write and release "
-                        "(an in-place write by a reader? other readers saw it too)",
-                        self._mismatches,
-                    )
+            self._maybe_report()
         deadline = None if timeout is None else time.monotonic() + timeout
         started = time.monotonic()
         warned_at = started
@@ -816,6 +841,9 @@ class MessageQueue:
             self._ring.shutdown()
             # Idempotent; covers a queue shut down before wait_until_ready unlinked the name.
             self._ring.unlink()
+        timer = self._report_timer
+        if timer is not None:
+            timer.cancel()
         if self.arena is not None and self._is_writer:
             metrics.record_writer_stats(self.arena.stats(), key=self.arena.name)  # final totals
             self.arena.close()

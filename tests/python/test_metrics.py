@@ -146,3 +146,40 @@ def test_a_broken_metrics_backend_never_breaks_the_caller(monkeypatch, caplog):
     assert metrics.enabled() is False
     assert sum("metrics disabled" in r.getMessage() for r in caplog.records) == 1
     metrics.record_writer_stats({"hits": 10**9 + 1}, key="boom")  # now a no-op
+
+
+def test_writer_totals_settle_without_another_message(monkeypatch):
+    """A report skipped by the once-a-second limit is made by a timer: the last message's hit
+    shows within about a second even if no message follows (an idle server)."""
+    import threading
+    import time
+
+    import torch
+
+    import vllm_shm_arena.message_queue as mq_mod
+    from vllm_shm_arena import MessageQueue
+
+    seen = []
+    monkeypatch.setattr(
+        mq_mod.metrics, "record_writer_stats", lambda s, key: seen.append(s["hits"])
+    )
+    mq = MessageQueue(1, 1, enable_shm_tensor_arena=True)
+    r = MessageQueue.create_from_handle(mq.export_handle(), 0)
+    ths = [threading.Thread(target=x.wait_until_ready, args=(30,)) for x in (mq, r)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(30)
+    try:
+        t = torch.ones(2 << 20, dtype=torch.uint8)
+        for _ in range(2):
+            mq.enqueue({"t": t}, timeout=10)
+            r.dequeue(timeout=10)
+        assert seen == [1]  # the second was within the second: not reported yet
+        deadline = time.monotonic() + 10
+        while seen[-1] != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert seen[-1] == 2, seen
+    finally:
+        mq.shutdown()
+        r.shutdown()
