@@ -83,6 +83,7 @@ class ImageRequest:
     ttft_s: float = math.nan
     e2e_s: float = math.nan
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
     text: str = ""
     arena_hits: int | None = None
     arena_bytes: int | None = None
@@ -145,10 +146,14 @@ def chat_stream(base: str, content: list, seed: int, max_tokens: int, timeout: f
         "ignore_eos": True,  # a fixed number of tokens whatever the random weights emit
         "stream": True,
         "return_token_ids": True,
+        # The sampled tokens' logprobs: far more sensitive to the image bytes than the greedy
+        # tokens of a random-weight model, which often agree for different images.
+        "logprobs": True,
     }
     t0 = time.monotonic()
     ttft = None
     token_ids: list[int] = []
+    logprobs: list[float] = []
     text = []
     deadline = t0 + timeout
     with _post(f"{base}/v1/chat/completions", body, timeout) as resp:
@@ -169,11 +174,14 @@ def chat_stream(base: str, content: list, seed: int, max_tokens: int, timeout: f
                     ttft = time.monotonic() - t0
                 token_ids.extend(ids)
                 text.append(piece)
+                lp = (choice.get("logprobs") or {}).get("content") or []
+                logprobs.extend(float(e["logprob"]) for e in lp)
     e2e = time.monotonic() - t0
     return {
         "ttft_s": math.nan if ttft is None else ttft,
         "e2e_s": e2e,
         "token_ids": token_ids,
+        "logprobs": logprobs,
         "text": "".join(text),
     }
 
@@ -221,6 +229,23 @@ def vsa_names(d: str) -> set[str]:
         return {n for n in os.listdir(d) if n.startswith("vsa_")}
     except FileNotFoundError:
         return set()
+
+
+def new_dev_shm_names(before: set[str]) -> tuple[list[str], list[str]]:
+    """``vsa_`` names in /dev/shm that appeared since ``before``, split into those that may be
+    ours and those another, live process writes (the machine is shared: other users' queues
+    come and go there). Called once every process of the server is gone, so a name whose
+    writer's kernel-held token is still taken cannot be the server's."""
+    new = vsa_names("/dev/shm") - before
+    if not new:
+        return [], []
+    from vllm_shm_arena.cleanup import remove_stale_resources
+
+    alive = {
+        r.name for r in remove_stale_resources("/dev/shm", dry_run=True) if r.writer == "alive"
+    }
+    still = vsa_names("/dev/shm")
+    return sorted((new & still) - alive), sorted(new & alive)
 
 
 class Server:
@@ -288,6 +313,10 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.startup_s = math.nan
         self.stop: dict[str, Any] = {}
+        #: vsa_ names seen in the private shm directory while starting: the queue unlinks them
+        #: once every worker attached, so this is the evidence that the plugin's queue honours
+        #: VLLM_SHM_ARENA_SHM_DIR.
+        self.names_seen_starting: set[str] = set()
 
     def start(self) -> None:
         """Starts the server and waits (bounded) until ``/health`` answers 200."""
@@ -309,6 +338,7 @@ class Server:
         log.close()
         deadline = t0 + self.args.startup_timeout
         while True:
+            self.names_seen_starting |= vsa_names(self.shm_dir)
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"vllm serve ({self.config}) exited with {self.proc.returncode} during start-up"
@@ -323,7 +353,7 @@ class Server:
                 raise TimeoutError(
                     f"vllm serve ({self.config}) not healthy after {self.args.startup_timeout} s"
                 )
-            time.sleep(0.5)
+            time.sleep(0.2)
         self.startup_s = time.monotonic() - t0
 
     def _group_alive(self) -> bool:
@@ -441,7 +471,7 @@ def run_config(args: argparse.Namespace, config: str, flag: str, plan: list[Imag
                 srv.base, image_content(png), args.seed, args.max_tokens, args.request_timeout
             )
             r.ttft_s, r.e2e_s = res["ttft_s"], res["e2e_s"]
-            r.token_ids, r.text = res["token_ids"], res["text"]
+            r.token_ids, r.logprobs, r.text = res["token_ids"], res["logprobs"], res["text"]
             if arena_on:
                 m = settle_metrics(srv, args)
                 hits, nbytes = _arena_totals(m)
@@ -472,8 +502,10 @@ def run_config(args: argparse.Namespace, config: str, flag: str, plan: list[Imag
     rec["requests"] = [asdict(r) | {"key": r.key} for r in reqs]
     rec["errors"] = errors
     left = sorted(vsa_names(srv.shm_dir))
-    new_dev_shm = sorted(vsa_names("/dev/shm") - dev_shm_before)
+    new_dev_shm, others = new_dev_shm_names(dev_shm_before)
     rec["vsa_names_left"] = {"private_shm_dir": left, "dev_shm_new": new_dev_shm}
+    rec["dev_shm_new_with_live_writer"] = others
+    rec["private_shm_names_seen_starting"] = sorted(srv.names_seen_starting)
     rec["arena_line_in_log"] = ARENA_LINE in log
     rec["mismatch_lines_in_log"] = sum(MISMATCH_LINE in ln for ln in log.splitlines())
     rec["force_kill_lines_in_log"] = [ln[-160:] for ln in log.splitlines() if FORCE_KILL_LINE in ln]
@@ -513,23 +545,45 @@ def checks_for(rec: dict[str, Any], min_bytes: int) -> list[tuple[str, bool, str
         )
     )
     left = rec["vsa_names_left"]
+    # Only the private directory decides: /dev/shm is shared with everything else on this
+    # machine (other users' queues, and their crashed tests' stale segments, come and go
+    # there), so names new there are recorded, not held against this server, whose queue
+    # lives in the private directory (checked below from what start-up showed there).
     out.append(
         (
-            "no vsa_ name left in the shm directory",
-            not left["private_shm_dir"] and not left["dev_shm_new"],
-            json.dumps(left),
+            "no vsa_ name left in the private shm directory",
+            not left["private_shm_dir"],
+            f"{json.dumps(left['private_shm_dir'])}; new in /dev/shm during the run (other "
+            f"processes'): stale {left['dev_shm_new']}, live writer "
+            f"{rec['dev_shm_new_with_live_writer']}",
         )
     )
     m = rec.get("metrics_final", {})
     if arena_on:
         out.append(("plugin active (engine log names the C++ arena)", rec["arena_line_in_log"], ""))
+        seen = rec["private_shm_names_seen_starting"]
+        out.append(
+            (
+                "the queue's ring and arena were made in the private VLLM_SHM_ARENA_SHM_DIR",
+                any(n.startswith("vsa_ring_") for n in seen)
+                and any(not n.startswith("vsa_ring_") for n in seen),
+                f"seen there during start-up: {seen}",
+            )
+        )
         for r in rec["requests"]:
             ok = r["arena_hits"] == 1 and r["arena_bytes"] == r["pixel_values_bytes"]
+            detail = f"hits +{r['arena_hits']}, bytes +{r['arena_bytes']}"
+            if not ok and r["pixel_values_bytes"] < min_bytes:
+                detail += (
+                    f"; its pixel_values ({r['pixel_values_bytes']} B) are below the divert "
+                    f"threshold vllm_shm_arena.MIN_BYTES = {min_bytes} B, so they took the "
+                    "out-of-band path"
+                )
             out.append(
                 (
                     f"{r['key']} went through the arena (1 hit, {r['pixel_values_bytes']} B)",
                     ok,
-                    f"hits +{r['arena_hits']}, bytes +{r['arena_bytes']}",
+                    detail,
                 )
             )
         mm = m.get("vllm:shm_arena_checksum_mismatches_total")
@@ -643,10 +697,12 @@ def write_results(path_dir: str, result: dict[str, Any]) -> None:
         )
         + ").",
     ]
-    md += ["", "## Identical tokens, flag on vs flag off", ""]
+    md += ["", "## Identical outputs, flag on vs flag off", ""]
     tok = result["identical_tokens"]
     md.append(
-        f"{tok['identical']} of {tok['total']} requests returned identical token ids"
+        f"{tok['identical']} of {tok['total']} requests returned identical token ids and "
+        "logprobs (each request a different image; distinct outputs per configuration: "
+        f"{tok['distinct_outputs_per_config']})"
         + (f"; differing: {', '.join(tok['differing'])}" if tok["differing"] else "")
         + "."
     )
@@ -719,20 +775,40 @@ def main() -> int:
     for rec in configs:
         for name, ok, detail in checks_for(rec, vllm_shm_arena.MIN_BYTES):
             checks.append((rec["config"], name, ok, detail))
-    by_key = [{r["key"]: r["token_ids"] for r in c["requests"]} for c in configs]
     keys = [r.key for r in plan]
-    differing = [k for k in keys if not by_key[0].get(k) or by_key[0].get(k) != by_key[1].get(k)]
+    # Per request: (token ids, their logprobs) in each configuration.
+    outs = [
+        {r["key"]: (tuple(r["token_ids"]), tuple(r["logprobs"])) for r in c["requests"]}
+        for c in configs
+    ]
+    differing = [
+        k
+        for k in keys
+        if len(outs[0].get(k, ((),))[0]) != args.max_tokens or outs[0].get(k) != outs[1].get(k)
+    ]
+    distinct = {c["config"]: len(set(o.values())) for c, o in zip(configs, outs, strict=True)}
     identical = {
         "total": len(keys),
         "identical": len(keys) - len(differing),
         "differing": differing,
+        "distinct_outputs_per_config": distinct,
     }
     checks.append(
         (
             "both",
-            f"identical token ids, flag on vs off ({args.max_tokens} per request)",
+            f"identical token ids and logprobs, flag on vs off ({args.max_tokens} per request)",
             not differing,
             json.dumps(identical),
+        )
+    )
+    # The comparison only detects corrupted pixel_values if the output depends on them: every
+    # request carries a different image, so every output must differ.
+    checks.append(
+        (
+            "both",
+            "the outputs depend on the image (a different token/logprob sequence per image)",
+            all(n == len(keys) for n in distinct.values()),
+            json.dumps(distinct),
         )
     )
     passed = all(ok for _, _, ok, _ in checks)
