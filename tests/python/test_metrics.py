@@ -120,6 +120,24 @@ def test_reader_gauges_take_the_latest_value():
     assert _value("vllm:shm_arena_pending_releases") == 2
 
 
+def test_reader_checksum_mismatches_are_a_counter():
+    # VLLM_SHM_ARENA_DEBUG_CHECKSUM=1's verdict must be visible at /metrics (the serve test
+    # asserts 0 there): a reader's cumulative checksum_mismatches becomes a counter, and a
+    # reader that reported finds 0 exported rather than nothing.
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        pytest.skip("reads this process's default registry")
+    name = "vllm:shm_arena_checksum_mismatches_total"
+    before = REGISTRY.get_sample_value(name)
+    metrics.record_reader_stats({"held": 0, "checksum_mismatches": 0})
+    assert REGISTRY.get_sample_value(name) == (before or 0.0)
+    metrics.record_reader_stats({"held": 0, "checksum_mismatches": 2})
+    metrics.record_reader_stats({"held": 0, "checksum_mismatches": 5})
+    assert REGISTRY.get_sample_value(name) - (before or 0.0) == 5
+    # Another reader queue in the same process counts on its own.
+    metrics.record_reader_stats({"checksum_mismatches": 1}, key="other")
+    assert REGISTRY.get_sample_value(name) - (before or 0.0) == 6
+
+
 def test_everything_is_a_no_op_without_prometheus_client(monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import raises ImportError
     metrics._reset()
