@@ -33,8 +33,11 @@ format:
 	$(PY) -m ruff check --fix .
 	$(CLANG_FORMAT) -i $(CXX_SOURCES)
 
+# The core's tests run with a private shm directory (never the shared /dev/shm).
+PRIVATE_SHM = d=$$(mktemp -d /dev/shm/vsa-cpp-XXXXXX 2>/dev/null || mktemp -d); export VLLM_SHM_ARENA_SHM_DIR=$$d; trap 'rm -rf "$$d"' EXIT;
+
 cpp-test:
-	./build/cpp/core_tests --order rand --warn NoAssertions
+	@$(PRIVATE_SHM) ./build/cpp/core_tests --order rand --warn NoAssertions
 
 py-test:
 	$(PY) -m pytest -q -rs -p no:cacheprovider tests/python; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
@@ -49,12 +52,12 @@ stress: bootstrap
 asan:
 	cmake -S tests/cpp -B build/cpp-asan -DSANITIZE=address >/dev/null
 	cmake --build build/cpp-asan -j2 >/dev/null
-	ASAN_OPTIONS=detect_leaks=1 ./build/cpp-asan/core_tests
+	@$(PRIVATE_SHM) ASAN_OPTIONS=detect_leaks=1 ./build/cpp-asan/core_tests
 
 tsan:
 	cmake -S tests/cpp -B build/cpp-tsan -DSANITIZE=thread >/dev/null
 	cmake --build build/cpp-tsan -j2 >/dev/null
-	./build/cpp-tsan/core_tests "[threads]"
+	@$(PRIVATE_SHM) ./build/cpp-tsan/core_tests "[threads]"
 
 sanitize: asan tsan
 

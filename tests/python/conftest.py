@@ -25,6 +25,28 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+
+# Every test, and every process a test starts, uses a private shared-memory directory, never
+# the shared /dev/shm: set before the package is imported, inherited by children.
+_OWN_SHM_DIR = None
+if not os.environ.get("VLLM_SHM_ARENA_SHM_DIR"):
+    import tempfile
+
+    _base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    _OWN_SHM_DIR = tempfile.mkdtemp(prefix="vsa-pytest-", dir=_base)
+    os.environ["VLLM_SHM_ARENA_SHM_DIR"] = _OWN_SHM_DIR
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Removes the session's private shm directory, saying what tests left in it."""
+    if _OWN_SHM_DIR is None:
+        return
+    import shutil
+
+    left = sorted(os.listdir(_OWN_SHM_DIR)) if os.path.isdir(_OWN_SHM_DIR) else []
+    if left:
+        print(f"\nvllm-shm-arena: tests left {len(left)} name(s) in their shm dir: {left[:8]}")
+    shutil.rmtree(_OWN_SHM_DIR, ignore_errors=True)
 # The package is imported from the checkout; spawned children inherit this sys.path.
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))

@@ -32,7 +32,7 @@ import mq_helpers as H  # noqa: E402
 from vllm_shm_arena import MessageQueue, message_queue  # noqa: E402
 
 MiB = H.MiB
-SHM = Path("/dev/shm")
+SHM = Path(os.environ["VLLM_SHM_ARENA_SHM_DIR"])  # the session's private dir (conftest.py)
 
 
 # ------------------------------------------------------------------------ fixtures / helpers
@@ -498,7 +498,8 @@ def test_sigkill_everything_leaves_no_shm(seed, shm_dir, tmp_path):
     wait_until_ready: no shared-memory file is left (the names were unlinked at ready; the
     ZeroMQ ipc sockets are abstract, so they have no file either). "private" runs in a fresh
     VLLM_SHM_ARENA_SHM_DIR so the before/after comparison is exact even while other tests use
-    /dev/shm; "default" checks the real /dev/shm."""
+    the session's dir; "default" checks the directory the package uses by default (the
+    session's private one, set by conftest.py)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(H.REPO), env.get("PYTHONPATH", "")])
     if shm_dir == "private":
