@@ -4,7 +4,7 @@ SHELL := /bin/bash
 CLANG_FORMAT := .venv/bin/clang-format
 CXX_SOURCES = $(shell find csrc tests/cpp tests/fake_cudart benchmarks -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: bootstrap bench bench-copy bench-full test lint cpp-test py-test stress sanitize tsan asan gpu-check vllm-test vllm-queue-tests serve-test format
+.PHONY: bootstrap bench bench-copy bench-full bench-vs-vllm test lint cpp-test py-test stress sanitize tsan asan gpu-check vllm-test vllm-queue-tests serve-test format
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -19,6 +19,15 @@ bench-copy: bootstrap
 
 bench-full: bootstrap
 	$(PY) benchmarks/broadcast_ab.py --full
+
+# Ours vs vLLM 0.33.0's own queue and arena, TP {1,2,4} (builds .venv-vllm as vllm-test does;
+# about 15 minutes on 2 cores): writes benchmarks/results/vs_vllm/.
+VLLM_VENV ?= .venv-vllm
+bench-vs-vllm:
+	VLLM_TEST_SETUP_ONLY=1 VLLM_VENV=$(VLLM_VENV) bash scripts/vllm_test.sh
+	$(VLLM_VENV)/bin/python -c "import matplotlib" 2>/dev/null \
+	  || $(VLLM_VENV)/bin/python -m pip install -q matplotlib
+	$(VLLM_VENV)/bin/python benchmarks/bench_vs_vllm.py
 
 # Every test: lint, the core's Catch2 suite, the Python suite.
 test: bootstrap lint cpp-test py-test sanitize

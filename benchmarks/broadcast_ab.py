@@ -123,10 +123,11 @@ def _reader_main(handle, rank, conn, consume_bytes, consume="cpu"):
             dst[off : off + flat.numel()].copy_(flat, non_blocking=consume == "cuda")
             off += flat.numel()
             ok = ok and int(flat[0]) == first and int(flat[-1]) == last
+            del t, flat  # the loop's names must not keep the last tensor (its slot) alive
         if consume == "cuda":
             torch.cuda.current_stream().synchronize()
         t_cons = time.perf_counter()
-        del msg, ts, t, flat
+        del msg, ts
         conn.send((t_recv, t_cons, getattr(mq, "last_dequeue_s", 0.0), ok))
     conn.send(mq.stats() if hasattr(mq, "stats") else {})
     mq.shutdown()
@@ -198,6 +199,31 @@ def _queue(mode: str, tp: int, chunk_bytes: int = 16 << 20) -> MessageQueue:
     return mq
 
 
+class _VllmArenaHits:
+    """Counts the tensors vLLM's own arena took (its queue keeps no such counter): wraps the
+    writer arena's ``write_tensor`` on this instance only."""
+
+    def __init__(self, arena):
+        self.hits = 0
+        self._write = arena.write_tensor
+        arena.write_tensor = self
+
+    def __call__(self, t):
+        slot = self._write(t)
+        self.hits += slot is not None
+        return slot
+
+
+def _writer_stats(mq, vllm_hits: _VllmArenaHits | None) -> dict:
+    """Our queue's stats(); for vLLM's queue, the arena hits counted by _VllmArenaHits."""
+    if hasattr(mq, "stats"):
+        return mq.stats()
+    out = {"overflow_messages": -1}
+    if vllm_hits is not None:
+        out["arena"] = {"hits": vllm_hits.hits, "declined": {}}
+    return out
+
+
 def _lend(mq: MessageQueue, sources: list[torch.Tensor]) -> list[torch.Tensor]:
     """Loan mode: the producer builds its tensors directly in the arena (the fill stands in
     for the preprocessor writing its output, and is not part of the broadcast)."""
@@ -223,10 +249,12 @@ def run_cell(
     sources=None,
     workload=None,
     tag_fn=None,
+    extra=None,
 ):
     """One (mode, TP, workload) cell: fresh queue and readers, warm-up, then measured
     messages. A message carries one tensor of size_mb, or one per entry of ``sizes``, or
-    the given ``sources`` (named ``workload``); the ring's chunks are ``chunk_bytes``.
+    the given ``sources`` (named ``workload``; ``[]``: no large tensor), plus the ``extra``
+    items (e.g. a scheduler step's metadata); the ring's chunks are ``chunk_bytes``.
     ``tag_fn(i)``, called before message i, returns a tag; medians per tag go in ``by_tag``
     (an A/B interleaved inside one cell)."""
     if sources is None:
@@ -237,16 +265,19 @@ def run_cell(
     ]
     nbytes = sum(t.numel() * t.element_size() for t in sources)
     mq = _queue(mode, tp, chunk_bytes)
+    vllm_hits = None
+    if mode == "vllm-arena" and getattr(mq, "tensor_arena", None) is not None:
+        vllm_hits = _VllmArenaHits(mq.tensor_arena)
     conns, procs = _start_readers(mq, tp, nbytes, consume)
     rows = []
     try:
         before = {}
         for i in range(warmup + n_msgs):
             if i == warmup:
-                before = mq.stats().get("arena", {}) if hasattr(mq, "stats") else {}
+                before = _writer_stats(mq, vllm_hits).get("arena", {})
             tag = tag_fn(i) if tag_fn is not None else None
             ts = _lend(mq, sources) if mode == "loan" else sources
-            msg = {"pixel_values": ts, "step": i, "check": check}
+            msg = {"pixel_values": ts, "step": i, "check": check, **(extra or {})}
             t0 = time.perf_counter()
             mq.enqueue(msg)
             t1 = time.perf_counter()
@@ -266,7 +297,7 @@ def run_cell(
                 )
             if bar is not None:
                 bar.update(1)
-        writer_stats = mq.stats() if hasattr(mq, "stats") else {"overflow_messages": -1}
+        writer_stats = _writer_stats(mq, vllm_hits)
     finally:
         reader_stats = _stop_readers(mq, conns, procs)
     metrics = [k for k in rows[0] if k != "tag"]
