@@ -576,7 +576,7 @@ def checks_for(rec: dict[str, Any], min_bytes: int) -> list[tuple[str, bool, str
             if not ok and r["pixel_values_bytes"] < min_bytes:
                 detail += (
                     f"; its pixel_values ({r['pixel_values_bytes']} B) are below the divert "
-                    f"threshold vllm_shm_arena.MIN_BYTES = {min_bytes} B, so they took the "
+                    f"threshold of the queue's arena ({min_bytes} B), so they took the "
                     "out-of-band path"
                 )
             out.append(
@@ -656,7 +656,8 @@ def write_results(path_dir: str, result: dict[str, Any]) -> None:
         f"{result['settings']['max_tokens']} tokens (`ignore_eos`). Medians over "
         f"{result['settings']['per_kind']} requests per image kind, each with a different image; "
         "one warm-up image request first (timed apart). The arena divert threshold was "
-        f"{result['settings']['min_bytes']} bytes (`vllm_shm_arena.MIN_BYTES`).",
+        f"{result['settings']['min_bytes']} bytes (the queue's arena layout: "
+        "`vllm_shm_arena.arena.VARIABLE_MIN_BYTES` for the default variable-size layout).",
         "",
         "## Timings",
         "",
@@ -722,6 +723,15 @@ def _versions() -> dict[str, str]:
     }
 
 
+def _queue_min_bytes() -> int:
+    """The divert threshold of the arena the plugin's queue builds (its layout's)."""
+    from vllm_shm_arena import arena, message_queue
+
+    if message_queue._ARENA_POLICY == "fixed":
+        return arena.MIN_BYTES
+    return arena.VARIABLE_MIN_BYTES
+
+
 def main() -> int:
     """Runs both configurations, compares them, writes the results; exit 1 on any failure."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -755,8 +765,6 @@ def main() -> int:
         size = json.load(f)["image_processor"]["size"]
     args.min_pixels, args.max_pixels = size["shortest_edge"], size["longest_edge"]
 
-    import vllm_shm_arena
-
     seed_base = int(os.environ.get("SERVE_TEST_IMAGE_SEED", "20261201"))
     print(f"serve-test: image seed {seed_base} (SERVE_TEST_IMAGE_SEED replays it)", flush=True)
     plan = [ImageRequest("typical", 0, IMAGE_KINDS["typical"], seed_base, warmup=True)]
@@ -773,7 +781,7 @@ def main() -> int:
 
     checks = []
     for rec in configs:
-        for name, ok, detail in checks_for(rec, vllm_shm_arena.MIN_BYTES):
+        for name, ok, detail in checks_for(rec, _queue_min_bytes()):
             checks.append((rec["config"], name, ok, detail))
     keys = [r.key for r in plan]
     # Per request: (token ids, their logprobs) in each configuration.
@@ -825,7 +833,7 @@ def main() -> int:
             "omp_bind": args.omp_bind,
             "kv_cache_gib": args.kv_cache_gib,
             "shutdown_timeout": args.shutdown_timeout,
-            "min_bytes": vllm_shm_arena.MIN_BYTES,
+            "min_bytes": _queue_min_bytes(),
             "max_pixels": args.max_pixels,
         },
         "summary": {c["config"]: summarize(c) for c in configs},
