@@ -31,7 +31,7 @@ import zmq
 
 from vllm_shm_arena import metrics
 from vllm_shm_arena._ext import _C
-from vllm_shm_arena.arena import ArenaHandle, ShmTensorArena
+from vllm_shm_arena.arena import ArenaHandle, ShmTensorArena, _resolving_with
 from vllm_shm_arena.pickler import Dumped, dump_message, dumps_inband, loads
 
 logger = logging.getLogger("vllm_shm_arena")
@@ -733,7 +733,11 @@ class MessageQueue:
     def _unpickle(self, frames):
         diverted = _parse_diverted(frames[0]) if len(frames[0]) else []
         try:
-            return loads(frames[1], frames[2:])
+            if self.arena is None:
+                return loads(frames[1], frames[2:])
+            # This rank's reader, not whichever rank of the arena attached last here.
+            with _resolving_with(self.arena):
+                return loads(frames[1], frames[2:])
         except BaseException:
             if self.arena is not None:
                 for slot, gen in diverted:

@@ -9,6 +9,7 @@ shared ``/dev/shm`` itself. Multi-process tests print their seed (``VSA_SEED``, 
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import signal
@@ -317,3 +318,53 @@ def test_constructor_checks_arguments_before_creating_anything(kwargs, what, shm
         MessageQueue(**kwargs)
     assert info.value is not None
     assert list(shm_dir.iterdir()) == [], "a resource was created before the check"
+
+
+# ------------------------------------------------------------------------ 4. two ranks, one process
+def test_two_ranks_of_one_queue_in_one_process_resolve_their_own_stubs(
+    seed, shm_dir, writers, monkeypatch
+):
+    """Ranks 0 and 1 of one queue in one process (threads, as a custom executor runs them):
+    each rank's arena tensors are acquired through its own reader, both read intact bytes,
+    and once both let go every allocation is back (none is left held by rank 0 while rank 1
+    was charged twice)."""
+    print(f"VSA_SEED={seed}")
+    monkeypatch.setattr(message_queue, "_ARENA_POLICY", "fixed")
+    monkeypatch.setattr(message_queue, "_ARENA_NUM_SLOTS", 4)
+    monkeypatch.setattr(message_queue, "_ARENA_SLOT_BYTES", 16 * MiB)
+    mq = MessageQueue(2, 2, enable_shm_tensor_arena=True)
+    writers(mq)
+    readers = [MessageQueue.create_from_handle(mq.export_handle(), rank) for rank in (0, 1)]
+    for r in readers:
+        writers(r)
+    ready_in_threads(mq, readers)
+    n = 3
+    for seq in range(n):
+        mq.enqueue(H.make_msg(seed, seq, 8 * MiB), timeout=10)
+    assert mq.arena.stats()["hits"] == n
+    got: dict[int, list] = {}
+    errors: list = []
+
+    def run(rank):
+        try:
+            got[rank] = [readers[rank].dequeue(timeout=10) for _ in range(n)]
+        except BaseException as e:
+            errors.append(f"rank {rank}: {type(e).__name__}: {e}")
+
+    ths = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in (0, 1)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(30)
+    assert not errors, errors
+    for rank in (0, 1):
+        for seq, msg in enumerate(got[rank]):
+            assert H.check_msg(msg, seed, seq, full=True) is None, (rank, seq)
+        assert readers[rank].arena.stats()["held"] == n, (rank, readers[rank].arena.stats())
+    del msg  # the loop variable still holds rank 1's last message
+    got.clear()
+    gc.collect()
+    for r in readers:
+        r.arena.flush_releases()
+    mq.arena.reclaim()
+    assert mq.arena.stats()["in_use"] == 0, mq.arena.stats()
