@@ -6,6 +6,7 @@ them, and a reader with the same arena attached turns them back into tensors.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -72,6 +73,10 @@ class ArenaHandle:
 #: This process's attached reader arenas by shm name. Weak values: an entry disappears when
 #: nothing else holds the arena, so the registry never keeps a mapping (or its pinning) alive.
 _TENSOR_ARENAS: weakref.WeakValueDictionary[str, ShmTensorArena] = weakref.WeakValueDictionary()
+#: Per thread, the reader arena stubs resolve to first (set by ``_resolving_with``): two
+#: ranks of one arena attached in one process share its name, so the name registry alone
+#: would hand one rank's stubs to the other's reader.
+_CURRENT_READER = threading.local()
 
 _cuda_seen = False
 #: VLLM_SHM_ARENA_PIN=0 turns page-locking off (the slot then releases as soon as its tensor
@@ -425,7 +430,22 @@ class ShmTensorArena:
         return f"ShmTensorArena({role}, name={self.name!r}, {self.layout})"
 
 
+@contextlib.contextmanager
+def _resolving_with(arena: ShmTensorArena):
+    """Within the block, this thread's stubs naming ``arena`` resolve to it (a queue
+    unpickling with its own rank's reader), whatever the name registry holds."""
+    prev = getattr(_CURRENT_READER, "arena", None)
+    _CURRENT_READER.arena = arena
+    try:
+        yield
+    finally:
+        _CURRENT_READER.arena = prev
+
+
 def _lookup(arena_name: str) -> ShmTensorArena:
+    current = getattr(_CURRENT_READER, "arena", None)
+    if current is not None and current.name == arena_name:
+        return current
     arena = _TENSOR_ARENAS.get(arena_name) if isinstance(arena_name, str) else None
     if arena is None:
         raise RuntimeError(

@@ -32,7 +32,7 @@ import zmq
 
 from vllm_shm_arena import metrics
 from vllm_shm_arena._ext import _C
-from vllm_shm_arena.arena import ArenaHandle, ShmTensorArena
+from vllm_shm_arena.arena import ArenaHandle, ShmTensorArena, _resolving_with
 from vllm_shm_arena.pickler import Dumped, dump_message, dumps_inband, loads
 
 logger = logging.getLogger("vllm_shm_arena")
@@ -84,15 +84,19 @@ _ARENA_NUM_SLOTS = int(os.environ.get("VLLM_SHM_ARENA_NUM_SLOTS", "8"))
 _ARENA_SLOT_BYTES = int(os.environ.get("VLLM_SHM_ARENA_SLOT_MB", "256")) << 20
 
 
+def _check_arena_policy() -> None:
+    if _ARENA_POLICY not in ("variable", "fixed"):
+        raise ValueError(
+            f"VLLM_SHM_ARENA_POLICY must be 'variable' or 'fixed', got {_ARENA_POLICY!r}"
+        )
+
+
 def _create_arena(n_readers: int) -> ShmTensorArena:
     """The arena for a new queue, shaped by the VLLM_SHM_ARENA_* settings above."""
+    _check_arena_policy()
     if _ARENA_POLICY == "fixed":
         return ShmTensorArena.create(
             n_readers, num_slots=_ARENA_NUM_SLOTS, slot_bytes=_ARENA_SLOT_BYTES
-        )
-    if _ARENA_POLICY != "variable":
-        raise ValueError(
-            f"VLLM_SHM_ARENA_POLICY must be 'variable' or 'fixed', got {_ARENA_POLICY!r}"
         )
     return ShmTensorArena.create(
         n_readers,
@@ -205,6 +209,40 @@ class _RateLimitedLog:
             logger.log(level, msg, *args)
 
 
+def _check_int(name: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+class _Resources:
+    """What a queue end must close even when nobody calls ``shutdown()``: its ZeroMQ sockets
+    and context (an open socket makes the context's ``term()``, run when pyzmq collects it,
+    wait for good: a queue in a reference cycle hung ``gc.collect()``) and, on the writer,
+    the ring (shut down so blocked readers wake).
+
+    A ``weakref.finalize`` holds this object, never the queue, so the queue can still be
+    collected; ``release`` runs once, when the queue dies or is shut down, or when its
+    constructor fails.
+    """
+
+    def __init__(self, pid: int, ctx) -> None:
+        self.pid = pid
+        self.ctx = ctx
+        self.sockets: list = []
+        self.ring_writer = None
+
+    def release(self) -> None:
+        """Closes the sockets (dropping unsent frames: ``shutdown()`` is the path that
+        drains), terminates the context, shuts the writer's ring down."""
+        if os.getpid() != self.pid:
+            return  # a forked child's inherited copy: these belong to the parent
+        for s in self.sockets:
+            s.close(linger=0)
+        self.ctx.term()
+        if self.ring_writer is not None:
+            self.ring_writer.shutdown()
+
+
 def _diverted_header(diverted: list[tuple[int, int]]) -> bytes:
     """Frame 0 of every message: the arena slots it references (released by a reader that
     fails to unpickle it)."""
@@ -241,10 +279,15 @@ class MessageQueue:
         *,
         enable_shm_tensor_arena: bool = False,
     ):
-        if n_reader < 0 or n_local_reader < 0 or n_local_reader > n_reader:
+        # Every argument is checked before anything (ring, socket, arena) is created.
+        _check_int("n_reader", n_reader, 0)
+        _check_int("n_local_reader", n_local_reader, 0)
+        if n_local_reader > n_reader:
             raise ValueError(
                 f"need 0 <= n_local_reader ({n_local_reader}) <= n_reader ({n_reader})"
             )
+        _check_int("max_chunk_bytes", max_chunk_bytes, 1)
+        _check_int("max_chunks", max_chunks, 1)
         if local_reader_ranks is None:
             local_reader_ranks = list(range(n_local_reader))
         if len(local_reader_ranks) != n_local_reader:
@@ -252,6 +295,16 @@ class MessageQueue:
                 f"local_reader_ranks has {len(local_reader_ranks)} entries, "
                 f"n_local_reader is {n_local_reader}"
             )
+        if len(set(local_reader_ranks)) != len(local_reader_ranks):
+            raise ValueError(f"local_reader_ranks has duplicates: {local_reader_ranks}")
+        if n_reader > n_local_reader and connect_ip is None:
+            connect_ip = _local_ip()  # vLLM's default: this node's address
+        if n_reader > n_local_reader and not (isinstance(connect_ip, str) and connect_ip):
+            raise ValueError(
+                f"remote readers need connect_ip (an address they can reach), got {connect_ip!r}"
+            )
+        if enable_shm_tensor_arena:
+            _check_arena_policy()
         self.n_reader = n_reader
         self.n_local_reader = n_local_reader
         self.n_remote_reader = n_reader - n_local_reader
@@ -260,39 +313,46 @@ class MessageQueue:
         self._is_local_reader = False
         self._is_remote_reader = False
         self.local_reader_rank = -1
-        self._init_process_state()
         self._ready = False
         #: Pickle tensor bytes inside the stream (the pre-out-of-band baseline; benchmarks).
         self.serialize_inband = False
-
         self._ring = None
         self.local_socket = None
         self.remote_socket = None
-        local_addr = remote_addr = None
-        if n_local_reader > 0:
-            self._ring = _C.RingWriter(n_local_reader, max_chunks, max_chunk_bytes)
-            _C.set_copy_readers(n_local_reader)  # the copy pool leaves the readers their CPUs
-            self.local_socket = self._xpub()
-            local_addr = f"ipc://@vsa-{secrets.token_hex(16)}"
-            self.local_socket.bind(local_addr)
-        if self.n_remote_reader > 0:
-            if connect_ip is None:
-                connect_ip = _local_ip()  # vLLM's default: this node's address
-            self.remote_socket = self._xpub()
-            port = self.remote_socket.bind_to_random_port(f"tcp://{connect_ip}")
-            remote_addr = f"tcp://{connect_ip}:{port}"
-
         self.arena: ShmTensorArena | None = None
-        if enable_shm_tensor_arena:
-            if self.n_remote_reader > 0 or n_local_reader == 0:
-                logger.warning(
-                    "shm tensor arena disabled for this queue: %d of %d readers are remote "
-                    "(the arena needs every reader on this node); using the out-of-band path",
-                    self.n_remote_reader,
-                    n_reader,
-                )
-            else:
-                self.arena = _create_arena(n_local_reader)
+        self._init_process_state()
+        try:
+            local_addr = remote_addr = None
+            if n_local_reader > 0:
+                self._ring = _C.RingWriter(n_local_reader, max_chunks, max_chunk_bytes)
+                self._res.ring_writer = self._ring
+                _C.set_copy_readers(n_local_reader)  # the copy pool leaves the readers CPUs
+                self.local_socket = self._xpub()
+                local_addr = f"ipc://@vsa-{secrets.token_hex(16)}"
+                self.local_socket.bind(local_addr)
+            if self.n_remote_reader > 0:
+                self.remote_socket = self._xpub()
+                port = self.remote_socket.bind_to_random_port(f"tcp://{connect_ip}")
+                remote_addr = f"tcp://{connect_ip}:{port}"
+            if enable_shm_tensor_arena:
+                if self.n_remote_reader > 0 or n_local_reader == 0:
+                    logger.warning(
+                        "shm tensor arena disabled for this queue: %d of %d readers are "
+                        "remote (the arena needs every reader on this node); using the "
+                        "out-of-band path",
+                        self.n_remote_reader,
+                        n_reader,
+                    )
+                else:
+                    self.arena = _create_arena(n_local_reader)
+        except BaseException:
+            # Half built: release now, not whenever a reference cycle through the traceback
+            # is collected.
+            self._closed = True
+            self._finalizer()
+            if self._ring is not None:
+                self._ring.unlink()
+            raise
         self._last_decline = {}
         self.handle = Handle(
             local_reader_ranks=list(local_reader_ranks),
@@ -311,6 +371,10 @@ class MessageQueue:
         self._io_lock = threading.RLock()
         self._pid = os.getpid()
         self._ctx = zmq.Context()
+        self._res = _Resources(self._pid, self._ctx)
+        self._finalizer = weakref.finalize(self, _Resources.release, self._res)
+        # Not at exit on its own: the exit hook runs it after waking blocked threads.
+        self._finalizer.atexit = False
         self._log = _RateLimitedLog()
         self._counters = {"messages": 0, "ring_messages": 0, "overflow_messages": 0, "bytes": 0}
         self._last_report = 0.0
@@ -323,6 +387,7 @@ class MessageQueue:
 
     def _xpub(self):
         s = self._ctx.socket(zmq.XPUB)
+        self._res.sockets.append(s)
         s.setsockopt(zmq.XPUB_VERBOSE, 1)
         s.setsockopt(zmq.SNDHWM, 0)  # never drop a message for a slow subscriber
         s.setsockopt(zmq.LINGER, 0)
@@ -341,44 +406,55 @@ class MessageQueue:
     @staticmethod
     def create_from_handle(handle: Handle, rank: int) -> MessageQueue:
         """Joins the queue described by ``handle`` as reader ``rank``."""
+        # Checked before anything (context, ring, socket) is created.
+        if not isinstance(handle, Handle):
+            raise TypeError(f"expected a MessageQueue Handle, got {type(handle).__name__}")
+        _check_int("rank", rank, 0)
+        local = rank in handle.local_reader_ranks
+        if not local and handle.remote_subscribe_addr is None:
+            raise ValueError(
+                f"rank {rank} is not a local reader and the queue has no remote socket"
+            )
         self = MessageQueue.__new__(MessageQueue)
         self.handle = handle
         self._is_writer = False
-        self._init_process_state()
         self._ring = None
         self.local_socket = self.remote_socket = None
         self.arena = None
         self._ready = False
         self.last_dequeue_s = 0.0
         self.n_local_reader = len(handle.local_reader_ranks)
-        if rank in handle.local_reader_ranks:
-            self._is_local_reader = True
-            self._is_remote_reader = False
-            self.local_reader_rank = handle.local_reader_ranks.index(rank)
-            name, shm_dir = handle.buffer_handle
-            # The arena first: a ring rank is claimed once for good, an arena rank that failed
-            # to attach is untouched, so a join that fails here can be retried.
-            if handle.tensor_arena_handle is not None:
-                self.arena = ShmTensorArena.attach(
-                    handle.tensor_arena_handle, self.local_reader_rank
-                )
-            self._ring = _C.RingReader(name, self.local_reader_rank, shm_dir)
-            # Readers copy ring frames out too: leave the other readers (and the writer) a CPU.
-            _C.set_copy_readers(self.n_local_reader)
-            self.local_socket = self._sub(handle.local_subscribe_addr)
-        else:
-            self._is_local_reader = False
-            self._is_remote_reader = True
-            self.local_reader_rank = -1
-            if handle.remote_subscribe_addr is None:
-                raise ValueError(
-                    f"rank {rank} is not a local reader and the queue has no remote socket"
-                )
-            self.remote_socket = self._sub(handle.remote_subscribe_addr)
+        self._init_process_state()
+        try:
+            if local:
+                self._is_local_reader = True
+                self._is_remote_reader = False
+                self.local_reader_rank = handle.local_reader_ranks.index(rank)
+                name, shm_dir = handle.buffer_handle
+                # The arena first: a ring rank is claimed once for good, an arena rank that
+                # failed to attach is untouched, so a join that fails here can be retried.
+                if handle.tensor_arena_handle is not None:
+                    self.arena = ShmTensorArena.attach(
+                        handle.tensor_arena_handle, self.local_reader_rank
+                    )
+                self._ring = _C.RingReader(name, self.local_reader_rank, shm_dir)
+                # Readers copy ring frames out too: leave the others (and the writer) a CPU.
+                _C.set_copy_readers(self.n_local_reader)
+                self.local_socket = self._sub(handle.local_subscribe_addr)
+            else:
+                self._is_local_reader = False
+                self._is_remote_reader = True
+                self.local_reader_rank = -1
+                self.remote_socket = self._sub(handle.remote_subscribe_addr)
+        except BaseException:
+            self._closed = True
+            self._finalizer()  # half built: release now (see __init__)
+            raise
         return self
 
     def _sub(self, addr: str):
         s = self._ctx.socket(zmq.SUB)
+        self._res.sockets.append(s)
         s.setsockopt(zmq.RCVHWM, 0)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt_string(zmq.SUBSCRIBE, "")
@@ -767,7 +843,11 @@ class MessageQueue:
     def _unpickle(self, frames):
         diverted = _parse_diverted(frames[0]) if len(frames[0]) else []
         try:
-            return loads(frames[1], frames[2:])
+            if self.arena is None:
+                return loads(frames[1], frames[2:])
+            # This rank's reader, not whichever rank of the arena attached last here.
+            with _resolving_with(self.arena):
+                return loads(frames[1], frames[2:])
         except BaseException:
             if self.arena is not None:
                 for slot, gen in diverted:
@@ -832,7 +912,8 @@ class MessageQueue:
                 s.close(linger=linger_ms)
             # Returns once every frame queued on those sockets went out (to the kernel, which
             # then delivers it to the reader's ZeroMQ) or the linger ran out.
-            self._ctx.term()
+            if os.getpid() == self._pid:
+                self._ctx.term()
         finally:
             if locked:
                 self._io_lock.release()
@@ -847,19 +928,7 @@ class MessageQueue:
         if self.arena is not None and self._is_writer:
             metrics.record_writer_stats(self.arena.stats(), key=self.arena.name)  # final totals
             self.arena.close()
-
-    def __del__(self):
-        try:
-            # A forked child dropping its inherited copy must not shut down its parent's ring.
-            if (
-                not self._shutdown.is_set()
-                and self._is_writer
-                and self._ring is not None
-                and os.getpid() == self._pid
-            ):
-                self._ring.shutdown()
-        except Exception:
-            pass
+        self._finalizer()  # everything is closed already; marks it done
 
     # ------------------------------------------------------------------ process groups
     @staticmethod

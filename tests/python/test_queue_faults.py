@@ -9,9 +9,11 @@ shared ``/dev/shm`` itself. Multi-process tests print their seed (``VSA_SEED``, 
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -219,3 +221,150 @@ def test_enqueue_interrupted_by_shutdown_raises_shutdown_and_gives_back_slots(
     assert isinstance(res, RuntimeError) and "shut down" in str(res), repr(res)
     st = mq.arena.stats()
     assert st["in_use"] == 0 and st["aborted"] == 1, st
+
+
+# ------------------------------------------------------------------------ 3. garbage collection
+@pytest.fixture
+def tiny_shm_dir(tmp_path):
+    """A 16 MiB tmpfs (mounted as root; skipped otherwise): room for a small ring, not for
+    an arena."""
+    d = tmp_path / "tiny"
+    d.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    rc = os.system(f"mount -t tmpfs -o size=16m,mode=0700 tmpfs {d} 2>/dev/null")
+    if rc != 0:
+        pytest.skip(f"mount -t tmpfs failed (rc={rc}): no CAP_SYS_ADMIN here")
+    try:
+        yield d
+    finally:
+        os.system(f"umount {d}")
+
+
+_GC_CYCLE = """
+import gc, sys, threading
+from vllm_shm_arena import MessageQueue
+
+case = sys.argv[1] if len(sys.argv) > 1 else {case!r}
+gc.disable()  # collect exactly once, below
+small = dict(max_chunk_bytes=1 << 20, max_chunks=2)
+
+def half_built(**kw):
+    try:
+        MessageQueue(**kw)
+    except Exception as e:
+        err = e  # a reference cycle: this frame -> err -> traceback -> this frame
+        print("constructor failed:", type(e).__name__, e, flush=True)
+        return
+    raise SystemExit("the constructor was expected to fail")
+
+if case == "writer":
+    w = MessageQueue(1, 1, **small)
+    w.me = w
+    del w
+elif case == "reader":
+    w = MessageQueue(1, 1, **small)
+    r = MessageQueue.create_from_handle(w.export_handle(), 0)
+    t = threading.Thread(target=r.wait_until_ready, args=(20,))
+    t.start()
+    w.wait_until_ready(20)
+    t.join()
+    r.me = r
+    del r, t
+elif case == "half_built_arena":  # the ring exists, the arena does not fit the shm dir
+    half_built(n_reader=1, n_local_reader=1, enable_shm_tensor_arena=True, **small)
+elif case == "half_built_bind":  # the ring and local socket exist, the TCP bind fails
+    half_built(n_reader=2, n_local_reader=1, connect_ip="256.0.0.1", **small)
+print("COLLECTING", flush=True)
+gc.collect()
+print("COLLECTED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("case", ["writer", "reader", "half_built_arena", "half_built_bind"])
+def test_gc_of_queue_in_reference_cycle_never_hangs(case, run_py, shm_dir, request):
+    """A writer, a reader, or a half-built queue (constructor failed after the ring existed)
+    in a reference cycle: ``gc.collect()`` returns (it blocked for good in pyzmq's
+    ``Context.term()`` on sockets nobody closed) and no shm name is left."""
+    env = {}
+    d = shm_dir
+    if case == "half_built_arena":
+        d = request.getfixturevalue("tiny_shm_dir")
+        env = {"VLLM_SHM_ARENA_SHM_DIR": str(d), "VLLM_SHM_ARENA_MB": "64"}
+    try:
+        rc, out, err = run_py(_GC_CYCLE.format(case=case), timeout=60, env=env)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"gc.collect() hung ({case}); stdout: {e.stdout!r}")
+    assert "COLLECTED" in out and rc == 0, f"rc={rc}\n{out}\n{err[-3000:]}"
+    if case.startswith("half_built"):
+        assert "constructor failed" in out, out
+    assert list(d.iterdir()) == [], "shm names left behind"
+
+
+@pytest.mark.parametrize(
+    "kwargs, what",
+    [
+        (dict(n_reader=2, n_local_reader=1), "connect_ip"),
+        (dict(n_reader=2, n_local_reader=2, local_reader_ranks=[0, 0]), "duplicates"),
+        (dict(n_reader=1, n_local_reader=1, max_chunk_bytes=-1), "max_chunk_bytes"),
+    ],
+    ids=["no_connect_ip", "duplicate_ranks", "negative_chunk_bytes"],
+)
+def test_constructor_checks_arguments_before_creating_anything(kwargs, what, shm_dir):
+    """Bad constructor arguments raise ``ValueError`` naming the argument before any ring,
+    socket or arena exists: while the exception (and the half-built object its traceback
+    holds) is alive, the shm directory stays empty."""
+    with pytest.raises(ValueError, match=what) as info:
+        MessageQueue(**kwargs)
+    assert info.value is not None
+    assert list(shm_dir.iterdir()) == [], "a resource was created before the check"
+
+
+# ------------------------------------------------------------------------ 4. two ranks, one process
+def test_two_ranks_of_one_queue_in_one_process_resolve_their_own_stubs(
+    seed, shm_dir, writers, monkeypatch
+):
+    """Ranks 0 and 1 of one queue in one process (threads, as a custom executor runs them):
+    each rank's arena tensors are acquired through its own reader, both read intact bytes,
+    and once both let go every allocation is back (none is left held by rank 0 while rank 1
+    was charged twice)."""
+    print(f"VSA_SEED={seed}")
+    monkeypatch.setattr(message_queue, "_ARENA_POLICY", "fixed")
+    monkeypatch.setattr(message_queue, "_ARENA_NUM_SLOTS", 4)
+    monkeypatch.setattr(message_queue, "_ARENA_SLOT_BYTES", 16 * MiB)
+    mq = MessageQueue(2, 2, enable_shm_tensor_arena=True)
+    writers(mq)
+    readers = [MessageQueue.create_from_handle(mq.export_handle(), rank) for rank in (0, 1)]
+    for r in readers:
+        writers(r)
+    ready_in_threads(mq, readers)
+    n = 3
+    for seq in range(n):
+        mq.enqueue(H.make_msg(seed, seq, 8 * MiB), timeout=10)
+    assert mq.arena.stats()["hits"] == n
+    got: dict[int, list] = {}
+    errors: list = []
+
+    def run(rank):
+        try:
+            got[rank] = [readers[rank].dequeue(timeout=10) for _ in range(n)]
+        except BaseException as e:
+            errors.append(f"rank {rank}: {type(e).__name__}: {e}")
+
+    ths = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in (0, 1)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(30)
+    assert not errors, errors
+    for rank in (0, 1):
+        for seq, msg in enumerate(got[rank]):
+            assert H.check_msg(msg, seed, seq, full=True) is None, (rank, seq)
+        assert readers[rank].arena.stats()["held"] == n, (rank, readers[rank].arena.stats())
+    del msg  # the loop variable still holds rank 1's last message
+    got.clear()
+    gc.collect()
+    for r in readers:
+        r.arena.flush_releases()
+    mq.arena.reclaim()
+    assert mq.arena.stats()["in_use"] == 0, mq.arena.stats()
