@@ -47,6 +47,8 @@ def pytest_sessionfinish(session, exitstatus):
     if left:
         print(f"\nvllm-shm-arena: tests left {len(left)} name(s) in their shm dir: {left[:8]}")
     shutil.rmtree(_OWN_SHM_DIR, ignore_errors=True)
+
+
 # The package is imported from the checkout; spawned children inherit this sys.path.
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
