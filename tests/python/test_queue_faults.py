@@ -304,11 +304,11 @@ def test_gc_of_queue_in_reference_cycle_never_hangs(case, run_py, shm_dir, reque
 @pytest.mark.parametrize(
     "kwargs, what",
     [
-        (dict(n_reader=2, n_local_reader=1), "connect_ip"),
+        (dict(n_reader=2, n_local_reader=1, connect_ip=""), "connect_ip"),
         (dict(n_reader=2, n_local_reader=2, local_reader_ranks=[0, 0]), "duplicates"),
         (dict(n_reader=1, n_local_reader=1, max_chunk_bytes=-1), "max_chunk_bytes"),
     ],
-    ids=["no_connect_ip", "duplicate_ranks", "negative_chunk_bytes"],
+    ids=["empty_connect_ip", "duplicate_ranks", "negative_chunk_bytes"],
 )
 def test_constructor_checks_arguments_before_creating_anything(kwargs, what, shm_dir):
     """Bad constructor arguments raise ``ValueError`` naming the argument before any ring,

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from vllm_shm_arena import MessageQueue, WriterDiedError
+from vllm_shm_arena.cleanup import remove_stale_resources
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -135,6 +136,9 @@ def test_a_reader_waiting_for_ready_learns_the_writer_died():
         r.shutdown()
         if p.poll() is None:
             p.kill()
+        # It died before READY, so its names were never unlinked: what the cleaner is for.
+        removed = [x.name for x in remove_stale_resources() if x.removed]
+        assert handle.tensor_arena_handle.name in removed, removed
 
 
 def test_a_live_but_silent_writer_is_not_reported_dead():
