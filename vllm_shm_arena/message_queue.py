@@ -32,7 +32,7 @@ import zmq
 
 from vllm_shm_arena import metrics
 from vllm_shm_arena._ext import _C
-from vllm_shm_arena.arena import ArenaHandle, ShmTensorArena, _resolving_with
+from vllm_shm_arena.arena import _CURRENT_READER, ArenaHandle, ShmTensorArena
 from vllm_shm_arena.pickler import Dumped, dump_message, dumps_inband, loads
 
 logger = logging.getLogger("vllm_shm_arena")
@@ -749,9 +749,11 @@ class MessageQueue:
         "still waiting" log line."""
         if self._is_writer:
             raise RuntimeError("the writer cannot dequeue")
-        if self.arena is not None:
-            with _NOGIL:
-                self.arena.flush_releases()
+        arena = self.arena
+        if arena is not None:
+            if arena._may_gate:  # something was pinned: releases wait for their events
+                with _NOGIL:
+                    arena.flush_releases()
             self._maybe_report()
         deadline = None if timeout is None else time.monotonic() + timeout
         started = time.monotonic()
@@ -841,17 +843,23 @@ class MessageQueue:
         return False
 
     def _unpickle(self, frames):
-        diverted = _parse_diverted(frames[0]) if len(frames[0]) else []
+        arena = self.arena
         try:
-            if self.arena is None:
+            if arena is None:
                 return loads(frames[1], frames[2:])
-            # This rank's reader, not whichever rank of the arena attached last here.
-            with _resolving_with(self.arena):
+            # This rank's reader, not whichever rank of the arena attached last here (what
+            # arena._resolving_with does, inlined: this runs for every message).
+            prev = getattr(_CURRENT_READER, "arena", None)
+            _CURRENT_READER.arena = arena
+            try:
                 return loads(frames[1], frames[2:])
+            finally:
+                _CURRENT_READER.arena = prev
         except BaseException:
-            if self.arena is not None:
-                for slot, gen in diverted:
-                    self.arena._release_unacquired(slot, gen)
+            # Frame 0 lists the message's arena records: parsed only on this failure path.
+            if arena is not None and len(frames[0]):
+                for slot, gen in _parse_diverted(frames[0]):
+                    arena._release_unacquired(slot, gen)
             raise
 
     # ------------------------------------------------------------------ both
