@@ -916,7 +916,10 @@ class MessageQueue:
                 if self._is_writer and linger_ms:
                     # Queued after every message sent: a reader waiting on the socket for an
                     # overflow message that never went out learns that none is coming.
-                    s.send(_SHUTDOWN_FRAME)
+                    try:
+                        s.send(_SHUTDOWN_FRAME, zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass  # readers still see the ring's shutdown flag below
                 s.close(linger=linger_ms)
             # Returns once every frame queued on those sockets went out (to the kernel, which
             # then delivers it to the reader's ZeroMQ) or the linger ran out.

@@ -157,6 +157,7 @@ def _check_stress(res: dict) -> None:
     assert ar["declined"]["no_space"] == 0, ar["declined"]
 
 
+@pytest.mark.timeout(300)  # above the run's own 240 s bound
 def test_stress_4_forked_readers_10k_messages(seed):
     """10,000 messages to 4 forked readers, arena on (8 x 64 MiB): ~1% carry 8-60 MiB
     tensors (arena), 4 carry tensors larger than a slot (declined "oversize", sent over the
@@ -166,6 +167,7 @@ def test_stress_4_forked_readers_10k_messages(seed):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2000)  # above the run's own 1800 s bound
 def test_stress_soak_100k_messages(seed):
     """The stress scenario at 100,000 messages (``make stress``)."""
     _check_stress(_run_stress(seed, 100_000, timeout=1800))
