@@ -4,7 +4,8 @@ One writer (the engine) sends every message to ``n_reader`` readers (the workers
 
 * node-local readers read a shared-memory ring of ``max_chunks`` chunks, in order; a message
   too big for a chunk leaves an "overflow" marker in the ring and travels over a local
-  ZeroMQ XPUB socket (abstract ``ipc://@...`` address: nothing left on disk after a kill);
+  ZeroMQ XPUB socket bound to a path in a fresh 0700 directory inside the shm directory
+  (no other user can connect), unlinked once the readers have subscribed;
 * remote readers receive everything over a TCP XPUB socket;
 * with ``enable_shm_tensor_arena=True`` and every reader node-local, large CPU tensors go into
   a ``ShmTensorArena`` instead: one copy, read zero-copy by all readers.
@@ -17,10 +18,10 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import secrets
 import socket
 import struct
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -230,12 +231,26 @@ class _Resources:
         self.ctx = ctx
         self.sockets: list = []
         self.ring_writer = None
+        self.socket_dir: str | None = None  # the local socket's 0700 directory
+
+    def remove_socket_dir(self) -> None:
+        """Unlinks the local socket's path and its directory (idempotent): connected
+        readers keep their connections, nobody can connect any more."""
+        d, self.socket_dir = self.socket_dir, None
+        if d is None:
+            return
+        for path, rm in ((os.path.join(d, "s"), os.unlink), (d, os.rmdir)):
+            try:
+                rm(path)
+            except FileNotFoundError:
+                pass
 
     def release(self) -> None:
         """Closes the sockets (dropping unsent frames: ``shutdown()`` is the path that
         drains), terminates the context, shuts the writer's ring down."""
         if os.getpid() != self.pid:
             return  # a forked child's inherited copy: these belong to the parent
+        self.remove_socket_dir()
         for s in self.sockets:
             s.close(linger=0)
         self.ctx.term()
@@ -328,7 +343,11 @@ class MessageQueue:
                 self._res.ring_writer = self._ring
                 _C.set_copy_readers(n_local_reader)  # the copy pool leaves the readers CPUs
                 self.local_socket = self._xpub()
-                local_addr = f"ipc://@vsa-{secrets.token_hex(16)}"
+                # A path, not an abstract socket (which any uid in the network namespace can
+                # reach): the fresh 0700 directory is the access check, as ZeroMQ has no
+                # portable peer-credential check.
+                self._res.socket_dir = tempfile.mkdtemp(prefix="vsa_sock_", dir=self._ring.dir)
+                local_addr = f"ipc://{self._res.socket_dir}/s"
                 self.local_socket.bind(local_addr)
             if self.n_remote_reader > 0:
                 self.remote_socket = self._xpub()
@@ -477,6 +496,14 @@ class MessageQueue:
                     for _ in range(n):
                         self._poll(sock, deadline, "readers to subscribe")
                         sock.recv()
+                    if sock is self.local_socket:
+                        # Every expected reader is connected: nobody else may connect now.
+                        self._res.remove_socket_dir()
+                    if sock.poll(0):
+                        raise RuntimeError(
+                            f"more than the {n} expected readers subscribed to the queue "
+                            "socket; refusing to start"
+                        )
                     sock.send(b"READY")
                 # Every local reader has mapped the ring and the arena: drop the names.
                 if self._ring is not None:
@@ -906,6 +933,8 @@ class MessageQueue:
         if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
+        if os.getpid() == self._pid:
+            self._res.remove_socket_dir()
         # A call blocked on a socket in another thread sees the flag within one wait slice and
         # lets go of the lock; only then are the sockets closed.
         locked = self._io_lock.acquire(timeout=10 * _WAIT_SLICE_S)

@@ -498,7 +498,7 @@ def test_sigkill_reader_holding_arena_tensors(seed, kids, writers, geometry):
 def test_sigkill_everything_leaves_no_shm(seed, shm_dir, tmp_path):
     """Writer and two readers, all holding an arena tensor, SIGKILLed together after
     wait_until_ready: no shared-memory file is left (the names were unlinked at ready; the
-    ZeroMQ ipc sockets are abstract, so they have no file either). "private" runs in a fresh
+    local ZeroMQ socket's path and its directory were unlinked then too). "private" runs in a fresh
     VLLM_SHM_ARENA_SHM_DIR so the before/after comparison is exact even while other tests use
     the session's dir; "default" checks the directory the package uses by default (the
     session's private one, set by conftest.py)."""
@@ -534,7 +534,10 @@ def test_sigkill_everything_leaves_no_shm(seed, shm_dir, tmp_path):
         assert ready.wait(90), "scenario never got ready:\n" + "\n".join(lines)
         names = next(ln for ln in lines if ln.startswith("NAMES")).split()[1:]
         addr = next(ln for ln in lines if ln.startswith("ADDR")).split()[1]
-        assert addr.startswith("ipc://@"), f"not an abstract socket (leaves a file): {addr}"
+        assert addr.startswith("ipc:///"), addr
+        sock_path = Path(addr[len("ipc://") :])
+        # The socket's path was unlinked once the readers subscribed (wait_until_ready).
+        assert not sock_path.parent.exists(), f"socket directory left: {sock_path.parent}"
         os.killpg(p.pid, signal.SIGKILL)
         p.wait(10)
     finally:

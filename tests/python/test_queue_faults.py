@@ -368,3 +368,56 @@ def test_two_ranks_of_one_queue_in_one_process_resolve_their_own_stubs(
         r.arena.flush_releases()
     mq.arena.reclaim()
     assert mq.arena.stats()["in_use"] == 0, mq.arena.stats()
+
+
+# ------------------------------------------------------------------------ 5. other users
+_SPY = """
+import select, sys, zmq
+ctx = zmq.Context()
+s = ctx.socket(zmq.SUB)
+s.setsockopt(zmq.LINGER, 0)
+s.setsockopt_string(zmq.SUBSCRIBE, "")
+s.connect(sys.argv[1])
+print("CONNECTING", flush=True)
+got = 0
+while True:
+    if s.poll(100):
+        got += sum(len(f) for f in s.recv_multipart())
+    if select.select([sys.stdin], [], [], 0)[0]:  # the test closed our stdin: report
+        break
+print(f"GOT {got}", flush=True)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="setpriv --reuid needs CAP_SETUID (run as root)")
+def test_other_uid_cannot_read_the_local_overflow_socket(seed, shm_dir, writers):
+    """A process of another uid (65534) that connects to the local overflow socket receives
+    nothing: not the READY, not a 2 MiB message sent over the socket to the real reader."""
+    print(f"VSA_SEED={seed}")
+    mq = MessageQueue(1, 1, max_chunk_bytes=1 * MiB)
+    writers(mq)
+    addr = mq.export_handle().local_subscribe_addr
+    spy = subprocess.Popen(
+        ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+        + [sys.executable, "-c", _SPY, addr],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert spy.stdout.readline().strip() == "CONNECTING", spy.stderr.read()
+        r = MessageQueue.create_from_handle(mq.export_handle(), 0)
+        writers(r)
+        ready_in_threads(mq, [r])
+        payload = os.urandom(2 * MiB)
+        mq.enqueue(payload, timeout=10)
+        assert r.dequeue(timeout=10) == payload
+        assert mq.stats()["overflow_messages"] == 1
+        spy.stdin.close()
+        spy.wait(30)
+        out, err = spy.stdout.read(), spy.stderr.read()
+    finally:
+        spy.kill()
+        spy.wait(10)
+    assert out.strip() == "GOT 0", f"another uid received bytes: {out!r} {err[-2000:]}"
