@@ -23,7 +23,7 @@ class SegmentReport:
     """What the cleaner found for one name in the shm directory."""
 
     name: str
-    kind: str  # "arena", "ring", or "" when not recognised
+    kind: str  # "arena", "ring", "socket" (a queue's socket directory), or "" (unrecognised)
     writer: str  # "dead" (stale), "alive", or "unknown" (kept)
     removed: bool
     why: str  # for "unknown": what was not as expected
@@ -34,10 +34,10 @@ class SegmentReport:
         if self.writer == "dead":
             what = "would remove (stale)" if dry_run else ("removed" if self.removed else "kept")
             tail = f" ({self.why})" if self.why and not self.removed and not dry_run else ""
-            return f"{what:<21} {kind:<5} {self.name}{tail}"
+            return f"{what:<21} {kind:<6} {self.name}{tail}"
         if self.writer == "alive":
-            return f"{'kept (writer alive)':<21} {kind:<5} {self.name}"
-        return f"{'kept (unknown)':<21} {kind:<5} {self.name}: {self.why}"
+            return f"{'kept (writer alive)':<21} {kind:<6} {self.name}"
+        return f"{'kept (unknown)':<21} {kind:<6} {self.name}: {self.why}"
 
 
 def remove_stale_resources(shm_dir: str | None = None, dry_run: bool = False) -> list:

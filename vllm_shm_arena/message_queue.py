@@ -21,7 +21,6 @@ import os
 import socket
 import struct
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -346,7 +345,13 @@ class MessageQueue:
                 # A path, not an abstract socket (which any uid in the network namespace can
                 # reach): the fresh 0700 directory is the access check, as ZeroMQ has no
                 # portable peer-credential check.
-                self._res.socket_dir = tempfile.mkdtemp(prefix="vsa_sock_", dir=self._ring.dir)
+                # Named after the ring (vsa_sock_<the ring's 128 random bits>), so the stale-name
+                # cleaner removes it together with a crashed writer's ring.
+                sock_dir = os.path.join(
+                    self._ring.dir, "vsa_sock_" + self._ring.name.removeprefix("vsa_ring_")
+                )
+                os.mkdir(sock_dir, 0o700)
+                self._res.socket_dir = sock_dir
                 local_addr = f"ipc://{self._res.socket_dir}/s"
                 self.local_socket.bind(local_addr)
             if self.n_remote_reader > 0:
@@ -385,6 +390,7 @@ class MessageQueue:
         """State every queue end has, writer or reader."""
         self._shutdown = threading.Event()
         self._closed = False
+        self._broken = ""  # why the queue can no longer send (an enqueue timed out mid-send)
         # Held while a call uses the ZeroMQ sockets, so shutdown() from another thread does not
         # close a socket under it (ZeroMQ sockets are not thread-safe).
         self._io_lock = threading.RLock()
@@ -551,6 +557,8 @@ class MessageQueue:
             raise RuntimeError("only the writer can enqueue")
         if self._shutdown.is_set():
             raise RuntimeError("MessageQueue was shut down")
+        if self._broken:
+            raise RuntimeError(f"MessageQueue is broken ({self._broken}); recreate it")
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.serialize_inband:
             dumped = Dumped(dumps_inband(obj), [], [])
@@ -623,14 +631,15 @@ class MessageQueue:
                 trackers.append(sock.send(f, more, copy=False, track=True))
             else:
                 sock.send(f, more, copy=True)
-        # Every frame is queued: the message is committed and will be delivered. The deadline
-        # no longer applies: a TimeoutError now would report a delivered message as failed
-        # (enqueue would give back the arena slots its stubs name) while ZeroMQ still reads the
-        # caller's memory. Only shutdown interrupts the wait.
+        # Every frame is queued. Waiting for ZeroMQ to let go of the caller's memory still
+        # honours the deadline whatever a subscriber does (one that stopped reading would hold
+        # it for good): past it the queue breaks (see _break_after_send_timeout).
         started = time.monotonic()
         for t in trackers:
             while not t.done:
                 self._time_left(None, "ZeroMQ to finish sending")
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._break_after_send_timeout(sock, trackers)
                 try:
                     t.wait(_WAIT_SLICE_S)
                 except zmq.NotDone:
@@ -642,6 +651,29 @@ class MessageQueue:
                             "(a reader is not reading)",
                             time.monotonic() - started,
                         )
+
+    def _break_after_send_timeout(self, sock, trackers) -> None:
+        """A subscriber did not take a sent message in time. Some readers may have it, others
+        never will: the queue cannot go on in order. Closes the socket (ZeroMQ drops its
+        references to the caller's memory), waits for that, shuts the ring down (readers
+        waiting for this message get a clear error instead of hanging) and raises; the
+        caller's enqueue then gives the message's arena allocations back, which is safe only
+        because a broken queue never writes again."""
+        self._broken = "an enqueue timed out while a subscriber was not reading"
+        sock.close(linger=0)
+        end = time.monotonic() + 5.0
+        for t in trackers:
+            while not t.done and time.monotonic() < end:
+                try:
+                    t.wait(_WAIT_SLICE_S)
+                except zmq.NotDone:
+                    pass
+        if self._ring is not None:
+            self._ring.shutdown()
+        raise TimeoutError(
+            "timed out waiting for a subscriber to take the message (it is not reading); "
+            "the MessageQueue is broken and must be recreated"
+        )
 
     def _time_left(self, deadline, what):
         if self._shutdown.is_set():

@@ -76,14 +76,55 @@ SegmentReport inspect_segment(const std::string& dir, const std::string& name) {
   return r;
 }
 
+namespace {
+
+// Removes `dir`/`name`, a directory of sockets, and what is directly in it; never follows a
+// link. True on success.
+bool remove_socket_dir(const std::string& dir, const std::string& name, std::string* why) {
+  int dfd = ::open((dir + "/" + name).c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (dfd < 0) {
+    *why = errno_message("open", errno);
+    return false;
+  }
+  struct stat st;
+  if (::fstat(dfd, &st) != 0 || st.st_uid != ::geteuid()) {
+    ::close(dfd);
+    *why = "not a directory of this user";
+    return false;
+  }
+  DIR* d = ::fdopendir(dfd);
+  if (d == nullptr) {
+    ::close(dfd);
+    *why = errno_message("fdopendir", errno);
+    return false;
+  }
+  while (struct dirent* e = ::readdir(d)) {
+    if (std::strcmp(e->d_name, ".") == 0 || std::strcmp(e->d_name, "..") == 0) continue;
+    ::unlinkat(::dirfd(d), e->d_name, 0);
+  }
+  ::closedir(d);
+  if (::rmdir((dir + "/" + name).c_str()) != 0) {
+    *why = errno_message("rmdir", errno);
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 std::vector<SegmentReport> remove_stale_segments(const std::string& dir, bool dry_run,
                                                  const std::string& prefix) {
   DIR* d = ::opendir(dir.c_str());
   if (d == nullptr) throw ShmError(errno_message("listing " + dir, errno));
-  std::vector<std::string> names;
+  std::vector<std::string> names, socket_dirs;
+  const std::string sock_prefix = prefix + "sock_";
   while (struct dirent* e = ::readdir(d)) {
     std::string name = e->d_name;
-    if (name.compare(0, prefix.size(), prefix) == 0) names.push_back(name);
+    if (name.compare(0, sock_prefix.size(), sock_prefix) == 0) {
+      socket_dirs.push_back(name);
+    } else if (name.compare(0, prefix.size(), prefix) == 0) {
+      names.push_back(name);
+    }
   }
   ::closedir(d);
   std::vector<SegmentReport> out;
@@ -103,6 +144,26 @@ std::vector<SegmentReport> remove_stale_segments(const std::string& dir, bool dr
         r.why = e.what();
       }
     }
+    out.push_back(std::move(r));
+  }
+  // A queue's local socket directory, vsa_sock_<hex>, belongs to its ring vsa_ring_<hex>: it
+  // goes when that ring is stale, or when the ring's name is gone (the directory outlived its
+  // writer, which removes both once its readers joined).
+  for (const std::string& name : socket_dirs) {
+    const std::string ring = prefix + "ring_" + name.substr(sock_prefix.size());
+    SegmentReport r;
+    r.name = name;
+    r.kind = "socket";
+    bool ring_listed = false;
+    for (const SegmentReport& o : out) {
+      if (o.name != ring) continue;
+      ring_listed = true;
+      r.writer = o.writer;
+      if (o.writer == Liveness::kDead && !dry_run && !o.removed) r.writer = Liveness::kUnknown;
+    }
+    if (!ring_listed) r.writer = Liveness::kDead;  // no ring of that name: nobody owns it
+    if (r.writer == Liveness::kUnknown) r.why = "its ring's writer is not provably dead";
+    if (r.writer == Liveness::kDead && !dry_run) r.removed = remove_socket_dir(dir, name, &r.why);
     out.push_back(std::move(r));
   }
   return out;

@@ -21,7 +21,7 @@ namespace vllm_shm_arena {
 /// What the cleaner found for one name.
 struct SegmentReport {
   std::string name;
-  std::string kind;  ///< "arena", "ring", or "" when not recognised
+  std::string kind;  ///< "arena", "ring", "socket" (a queue's socket directory), or ""
   /// kDead: stale (removed unless dry run); kAlive: its writer lives; kUnknown: kept.
   Liveness writer = Liveness::kUnknown;
   bool removed = false;
@@ -32,7 +32,8 @@ struct SegmentReport {
 SegmentReport inspect_segment(const std::string& dir, const std::string& name);
 
 /// Inspects every name in `dir` that starts with `prefix` and removes the stale ones (none
-/// with `dry_run`). Throws ShmError if `dir` cannot be listed.
+/// with `dry_run`); a queue's socket directory `<prefix>sock_<hex>` goes with its stale ring
+/// `<prefix>ring_<hex>`, or when no such ring exists. Throws ShmError if `dir` cannot be listed.
 std::vector<SegmentReport> remove_stale_segments(const std::string& dir, bool dry_run,
                                                  const std::string& prefix = "vsa_");
 

@@ -45,9 +45,9 @@ def test_a_crashed_writers_segments_are_removed_and_dry_run_removes_nothing(tmp_
     out = _py(CRASHED_WRITER, tmp_path)
     assert out.returncode == 0, out.stderr
     left = _vsa_names(tmp_path)
-    assert len(left) == 2, left  # one ring, one arena
+    assert len(left) == 3, left  # one ring, one arena, the ring's local socket directory
     dry = remove_stale_resources(str(tmp_path), dry_run=True)
-    assert sorted(r.kind for r in dry) == ["arena", "ring"]
+    assert sorted(r.kind for r in dry) == ["arena", "ring", "socket"]
     assert all(r.writer == "dead" and not r.removed for r in dry)
     assert _vsa_names(tmp_path) == left
     done = remove_stale_resources(str(tmp_path))
@@ -83,17 +83,17 @@ def test_a_live_writers_segments_and_unknown_files_are_kept(tmp_path):
         os.mkdir(tmp_path / "vsa_dir")
         reports = {r.name: r for r in remove_stale_resources(str(tmp_path))}
         live = [r for r in reports.values() if r.kind]
-        assert len(live) == 2 and all(r.writer == "alive" and not r.removed for r in live)
+        assert len(live) == 3 and all(r.writer == "alive" and not r.removed for r in live)
         for name in ("vsa_garbage", "vsa_short", "vsa_dir"):
             assert reports[name].writer == "unknown" and not reports[name].removed, reports[name]
         assert "unrelated" not in reports
-        assert len(_vsa_names(tmp_path)) == 5
+        assert len(_vsa_names(tmp_path)) == 6
     finally:
         p.stdin.close()
         p.wait(timeout=60)
-    # Once the writer is gone, its two segments are stale and go.
+    # Once the writer is gone, its two segments (and its socket directory) are stale and go.
     reports = remove_stale_resources(str(tmp_path))
-    assert sum(r.removed for r in reports) == 2
+    assert sum(r.removed for r in reports) == 3
 
 
 def test_a_segment_of_another_layout_version_is_kept(tmp_path):
@@ -116,11 +116,11 @@ def test_the_command_line(tmp_path):
     cmd = [sys.executable, "-m", "vllm_shm_arena", "cleanup", "--dir", str(tmp_path)]
     dry = subprocess.run([*cmd, "--dry-run"], env=env, capture_output=True, text=True, timeout=60)
     assert dry.returncode == 0, dry.stderr
-    assert dry.stdout.count("would remove (stale)") == 2, dry.stdout
-    assert len(_vsa_names(tmp_path)) == 2
+    assert dry.stdout.count("would remove (stale)") == 3, dry.stdout
+    assert len(_vsa_names(tmp_path)) == 3
     real = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert real.returncode == 0, real.stderr
-    assert real.stdout.count("removed") >= 2 and "2 removed" in real.stdout, real.stdout
+    assert real.stdout.count("removed") >= 3 and "3 removed" in real.stdout, real.stdout
     assert _vsa_names(tmp_path) == []
     bad = subprocess.run(
         [sys.executable, "-m", "vllm_shm_arena"], env=env, capture_output=True, text=True

@@ -189,3 +189,49 @@ def test_liveness_verdicts_other_than_alive_are_logged_once_per_new_count(caplog
     finally:
         mq._ring = real
         mq.shutdown()
+
+
+READER_THAT_STOPS = """
+import base64, pickle, sys
+from vllm_shm_arena import MessageQueue
+r = MessageQueue.create_from_handle(pickle.loads(base64.b64decode(sys.argv[1])), 0)
+r.wait_until_ready(timeout=60)
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_enqueue_timeout_is_honoured_whatever_a_subscriber_does():
+    """A reader stops reading (SIGSTOP) while a large overflow message is being sent:
+    enqueue(timeout=...) raises TimeoutError near its timeout instead of waiting for ZeroMQ
+    for good, gives the message's arena allocations back, and the queue is then broken: later
+    enqueues raise clearly."""
+    mq = MessageQueue(1, 1, max_chunk_bytes=1 << 20, enable_shm_tensor_arena=True)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    handle = base64.b64encode(pickle.dumps(mq.export_handle())).decode()
+    p = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(READER_THAT_STOPS), handle],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        mq.wait_until_ready(timeout=60)
+        assert p.stdout.readline().strip() == "ready"
+        os.kill(p.pid, signal.SIGSTOP)
+        import torch
+
+        msg = {"t": torch.ones(8 << 20, dtype=torch.uint8), "blob": b"x" * (64 << 20)}
+        _, err, seconds = _in_thread(lambda: mq.enqueue(msg, timeout=2.0), timeout=60)
+        print(f"enqueue(timeout=2) with a stopped subscriber raised after {seconds:.2f} s")
+        assert isinstance(err, TimeoutError), err
+        assert mq.arena.stats()["in_use"] == 0  # the message's allocation came back
+        with pytest.raises(RuntimeError, match="broken"):
+            mq.enqueue({"n": 1}, timeout=2.0)
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+        p.kill()
+        p.wait(timeout=30)
+        mq.shutdown()
