@@ -76,8 +76,9 @@ uint64_t ShmRegion::free_bytes(const std::string& dir) {
 void ShmRegion::check_free_space(const std::string& dir, uint64_t bytes) {
   uint64_t free = free_bytes(dir);
   if (free < bytes) {
-    throw ShmError("not enough shared memory in " + dir + ": the arena needs " +
-                   human_bytes(bytes) + " but only " + human_bytes(free) +
+    throw ShmError("not enough shared memory in " + dir +
+                   ": the segment (arena or message ring) needs " + human_bytes(bytes) +
+                   " but only " + human_bytes(free) +
                    " is free. Enlarge it (Docker: --shm-size=" + std::to_string((bytes >> 30) + 2) +
                    "g; Kubernetes: an emptyDir with medium: Memory mounted at /dev/shm; "
                    "bare metal: mount -o remount,size=<N>G " +
