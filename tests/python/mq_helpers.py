@@ -41,6 +41,25 @@ _STRIDE = 4099
 
 
 # ------------------------------------------------------------------------ messages
+def ready_in_threads(writer, readers, timeout=20.0) -> None:
+    """wait_until_ready on a writer and same-process readers, concurrently."""
+    errors = []
+
+    def run(q):
+        try:
+            q.wait_until_ready(timeout=timeout)
+        except BaseException as e:
+            errors.append(e)
+
+    ths = [threading.Thread(target=run, args=(q,), daemon=True) for q in [writer, *readers]]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(timeout + 5)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in ths)
+
+
 def key(seed: int, seq: int) -> int:
     """The per-message XOR key (non-negative int32)."""
     return zlib.crc32(f"{seed}:{seq}".encode()) & 0x7FFFFFFF

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 
 import torch
+from mq_helpers import ready_in_threads
 
 from vllm_shm_arena import MessageQueue, ShmTensorArena
 
@@ -82,11 +82,7 @@ def test_child_of_the_writer_neither_unlinks_nor_writes(tmp_path):
 def test_child_of_the_queue_writer_calling_shutdown_leaves_the_queue_running():
     mq = MessageQueue(1, 1)
     r = MessageQueue.create_from_handle(mq.export_handle(), 0)
-    ready = [threading.Thread(target=x.wait_until_ready, args=(30,)) for x in (mq, r)]
-    for t in ready:
-        t.start()
-    for t in ready:
-        t.join(30)
+    ready_in_threads(mq, [r])
     try:
 
         def child():

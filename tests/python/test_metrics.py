@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from mq_helpers import ready_in_threads
 
 from vllm_shm_arena import metrics
 
@@ -169,7 +170,6 @@ def test_a_broken_metrics_backend_never_breaks_the_caller(monkeypatch, caplog):
 def test_writer_totals_settle_without_another_message(monkeypatch):
     """A report skipped by the once-a-second limit is made by a timer: the last message's hit
     shows within about a second even if no message follows (an idle server)."""
-    import threading
     import time
 
     import torch
@@ -183,11 +183,7 @@ def test_writer_totals_settle_without_another_message(monkeypatch):
     )
     mq = MessageQueue(1, 1, enable_shm_tensor_arena=True)
     r = MessageQueue.create_from_handle(mq.export_handle(), 0)
-    ths = [threading.Thread(target=x.wait_until_ready, args=(30,)) for x in (mq, r)]
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join(30)
+    ready_in_threads(mq, [r])
     try:
         t = torch.ones(2 << 20, dtype=torch.uint8)
         for _ in range(2):

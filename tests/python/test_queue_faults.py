@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mq_helpers as H  # noqa: E402
+from mq_helpers import ready_in_threads  # noqa: E402
 
 from vllm_shm_arena import MessageQueue, message_queue  # noqa: E402
 
@@ -50,25 +51,6 @@ def writers():
     yield made.append
     for mq in made:
         mq.shutdown()
-
-
-def ready_in_threads(writer, readers, timeout=20.0) -> None:
-    """wait_until_ready on a writer and same-process readers, concurrently."""
-    errors = []
-
-    def run(q):
-        try:
-            q.wait_until_ready(timeout=timeout)
-        except BaseException as e:
-            errors.append(e)
-
-    ths = [threading.Thread(target=run, args=(q,), daemon=True) for q in [writer, *readers]]
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join(timeout + 5)
-    assert not errors, errors
-    assert not any(t.is_alive() for t in ths)
 
 
 # ------------------------------------------------------------------------ 1. interpreter exit

@@ -8,6 +8,7 @@ import logging
 import threading
 
 import pytest
+from mq_helpers import ready_in_threads
 
 import vllm_shm_arena.message_queue as mq_mod
 from vllm_shm_arena import MessageQueue
@@ -149,11 +150,7 @@ def test_long_waits_are_logged_at_the_ringbuffer_warning_interval(monkeypatch, c
     monkeypatch.setattr(mq_mod, "_WAIT_WARN_S", 0.001)
     mq = MessageQueue(1, 1)
     r = MessageQueue.create_from_handle(mq.export_handle(), 0)
-    ths = [threading.Thread(target=x.wait_until_ready, args=(30,)) for x in (mq, r)]
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join(30)
+    ready_in_threads(mq, [r])
     try:
         with caplog.at_level(logging.WARNING, logger="vllm_shm_arena"):
             with pytest.raises(TimeoutError):

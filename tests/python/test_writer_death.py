@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from mq_helpers import ready_in_threads
 
 from vllm_shm_arena import MessageQueue, WriterDiedError
 from vllm_shm_arena.cleanup import remove_stale_resources
@@ -145,11 +146,7 @@ def test_a_live_but_silent_writer_is_not_reported_dead():
     """No false positives: a writer that is alive but sends nothing gives a TimeoutError."""
     mq = MessageQueue(1, 1)
     r = MessageQueue.create_from_handle(mq.export_handle(), 0)
-    ths = [threading.Thread(target=x.wait_until_ready, args=(30,)) for x in (mq, r)]
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join(30)
+    ready_in_threads(mq, [r])
     try:
         with pytest.raises(TimeoutError):
             r.dequeue(timeout=0.5)
