@@ -6,7 +6,6 @@ them, and a reader with the same arena attached turns them back into tensors.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import threading
@@ -73,9 +72,9 @@ class ArenaHandle:
 #: This process's attached reader arenas by shm name. Weak values: an entry disappears when
 #: nothing else holds the arena, so the registry never keeps a mapping (or its pinning) alive.
 _TENSOR_ARENAS: weakref.WeakValueDictionary[str, ShmTensorArena] = weakref.WeakValueDictionary()
-#: Per thread, the reader arena stubs resolve to first (set by ``_resolving_with``): two
-#: ranks of one arena attached in one process share its name, so the name registry alone
-#: would hand one rank's stubs to the other's reader.
+#: Per thread, the reader arena stubs resolve to first (set by ``MessageQueue._unpickle``
+#: around each message it unpickles): two ranks of one arena attached in one process share
+#: its name, so the name registry alone would hand one rank's stubs to the other's reader.
 _CURRENT_READER = threading.local()
 
 _cuda_seen = False
@@ -428,18 +427,6 @@ class ShmTensorArena:
     def __repr__(self) -> str:
         role = "writer" if self.is_writer else f"reader{self._reader.rank}"
         return f"ShmTensorArena({role}, name={self.name!r}, {self.layout})"
-
-
-@contextlib.contextmanager
-def _resolving_with(arena: ShmTensorArena):
-    """Within the block, this thread's stubs naming ``arena`` resolve to it (a queue
-    unpickling with its own rank's reader), whatever the name registry holds."""
-    prev = getattr(_CURRENT_READER, "arena", None)
-    _CURRENT_READER.arena = arena
-    try:
-        yield
-    finally:
-        _CURRENT_READER.arena = prev
 
 
 def _lookup(arena_name: str) -> ShmTensorArena:

@@ -906,8 +906,8 @@ class MessageQueue:
         try:
             if arena is None:
                 return loads(frames[1], frames[2:])
-            # This rank's reader, not whichever rank of the arena attached last here (what
-            # arena._resolving_with does, inlined: this runs for every message).
+            # This rank's reader, not whichever rank of the arena attached last here: stubs
+            # resolve to the thread's current reader arena first (arena._lookup).
             prev = getattr(_CURRENT_READER, "arena", None)
             _CURRENT_READER.arena = arena
             try:
