@@ -491,8 +491,7 @@ def main(argv=None) -> int:
                 r["delivery_ms"]["median"] / memcpy["200"]
             )
     result = {
-        "command": " ".join(["python", "benchmarks/bench_vs_vllm.py", *(argv or sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **ab.run_record("bench_vs_vllm.py", argv),
         "elapsed_s": elapsed,
         "seed": args.seed,
         "repeats": args.repeats,

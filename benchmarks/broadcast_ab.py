@@ -675,6 +675,14 @@ def machine_info() -> dict:
     }
 
 
+def run_record(script: str, argv) -> dict:
+    """The fields every results file starts with: the command that reruns it and when."""
+    return {
+        "command": " ".join(["python", f"benchmarks/{script}", *(argv or sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
 def copy_threads_main(args, argv) -> int:
     """--copy-threads-ab: arena cells in which the writer's copy alternates, message by
     message (ABBA), between one thread and N threads: the same readers, queue and minute of
@@ -718,8 +726,7 @@ def copy_threads_main(args, argv) -> int:
                 flush=True,
             )
     result = {
-        "command": " ".join(["python", "benchmarks/broadcast_ab.py", *(argv or sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **run_record("broadcast_ab.py", argv),
         "seed": args.seed,
         "messages": args.messages,
         "warmup": args.warmup,
@@ -773,8 +780,7 @@ def threshold_main(args, argv) -> int:
     if bar is not None:
         bar.close()
     result = {
-        "command": " ".join(["python", "benchmarks/broadcast_ab.py", *(argv or sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **run_record("broadcast_ab.py", argv),
         "seed": args.seed,
         "consume": args.consume,
         "messages": args.messages,
@@ -970,8 +976,7 @@ def main(argv=None) -> int:
             ratios[f"{key}: delivery / one warm copy of its bytes"] = c["delivery_ms_p50"] / once
 
     result = {
-        "command": " ".join(["python", "benchmarks/broadcast_ab.py", *(argv or sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **run_record("broadcast_ab.py", argv),
         "seed": args.seed,
         "consume": args.consume,
         "messages": args.messages,

@@ -584,8 +584,7 @@ def main(argv=None) -> int:
             {"label": label, "pause_ms": pause_ms, "fill_threads": fill_threads, "cells": cells}
         )
     result = {
-        "command": " ".join(["python", "benchmarks/dequeue_profile.py", *(argv or sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        **ab.run_record("dequeue_profile.py", argv),
         "seed": args.seed,
         "machine": ab.machine_info(),
         "copy_threads": _C.copy_threads(),
