@@ -683,46 +683,53 @@ def run_record(script: str, argv) -> dict:
     }
 
 
-def copy_threads_main(args, argv) -> int:
-    """--copy-threads-ab: arena cells in which the writer's copy alternates, message by
-    message (ABBA), between one thread and N threads: the same readers, queue and minute of
-    this shared machine for both. Writes results/copy_threads_ab.{json,md}."""
-    n = args.copy_threads_ab
+def alternating_ab(args, argv, *, arms, reset, stem, what, default_sizes, burst=False) -> int:
+    """Arena cells in which a writer-side setting alternates message by message (ABBA)
+    between ``arms`` ``[(label, apply)]``: the same readers, queue and minute of this shared
+    machine for both. ``burst`` adds the 25 x 16 MiB message. Ratio ``first / second`` per
+    metric (> 1: the second arm faster). Writes results/``stem``.{json,md}."""
+    (la, set_a), (lb, set_b) = arms
     tps = args.tp or [1, 2]
-    sizes = args.sizes or [16, 64, 200]
+    sizes = args.sizes or default_sizes
+    workloads = [(f"{size:g} MiB", size, None) for size in sizes]
+    if burst:
+        workloads.append(("burst 25x16 MiB", 16, WORKLOADS["burst"]))
     cells = []
-    for size in sizes:
+    for name, size, many in workloads:
         for tp in tps:
 
-            def tag_fn(i, n=n):
-                t = 1 if i % 4 in (0, 3) else n
-                _C.set_copy_threads(t)
-                return t
+            def tag_fn(i):
+                if i % 4 in (0, 3):
+                    set_a()
+                    return la
+                set_b()
+                return lb
 
             c = run_cell(
                 "arena",
                 tp,
                 size,
-                args.messages,
-                args.warmup,
+                max(4, args.messages // 2) if many else args.messages,
+                max(2, args.warmup // 2) if many else args.warmup,
                 args.seed,
                 None,
                 args.consume,
+                sizes=many,
                 tag_fn=tag_fn,
             )
-            _C.set_copy_threads(0)
-            one, many = c["by_tag"]["1"], c["by_tag"][str(n)]
-            c["one_over_n"] = {
-                k: one[f"{k}_p50"] / many[f"{k}_p50"]
+            reset()
+            a, b = c["by_tag"][la], c["by_tag"][lb]
+            c["name"] = name
+            c["a_over_b"] = {
+                k: a[f"{k}_p50"] / b[f"{k}_p50"]
                 for k in ("enqueue_ms", "delivery_ms", "consume_ms")
             }
             cells.append(c)
-            r = c["one_over_n"]
+            r = c["a_over_b"]
             print(
-                f"{size:>6g} MiB TP={tp}: 1 thread / {n} threads = enqueue "
-                f"{r['enqueue_ms']:.2f}, delivery {r['delivery_ms']:.2f}, "
-                f"consume {r['consume_ms']:.2f} (delivery ms: {one['delivery_ms_p50']:.2f}"
-                f" vs {many['delivery_ms_p50']:.2f})",
+                f"{name:>16} TP={tp}: {la} / {lb} = enqueue {r['enqueue_ms']:.2f}, delivery "
+                f"{r['delivery_ms']:.2f}, consume {r['consume_ms']:.2f} (delivery ms: "
+                f"{a['delivery_ms_p50']:.2f} vs {b['delivery_ms_p50']:.2f})",
                 flush=True,
             )
     result = {
@@ -731,36 +738,72 @@ def copy_threads_main(args, argv) -> int:
         "messages": args.messages,
         "warmup": args.warmup,
         "machine": machine_info(),
-        "n_threads": n,
+        "copy_threads": _C.copy_threads(),
+        "arms": [la, lb],
         "cells": cells,
     }
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "copy_threads_ab.json"), "w") as f:
+    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump(result, f, indent=2)
     lines = [
-        f"# Copy threads A/B ({result['machine']['summary']})",
+        f"# {what} A/B ({result['machine']['summary']})",
         "",
         f"Run: `{result['command']}` on {result['date']}. Arena cells; the writer's copy uses "
-        f"1 or {n} threads, alternating per message (ABBA) inside each cell; medians over "
-        f"{args.messages // 2} messages each after {args.warmup} warm-up. Ratio > 1: {n} "
-        "threads faster. Shared, noisy machine: read the ratios.",
+        f"{la} or {lb}, alternating per message (ABBA) inside each cell; medians over half of "
+        f"each cell's messages ({args.messages} per cell, half that for the burst) after the "
+        f"warm-up. Ratio > 1: {lb} faster. Shared, noisy machine: read the ratios.",
         "",
-        f"| MiB | TP | delivery ms, 1 thread | delivery ms, {n} threads | enqueue 1/{n} "
-        f"| delivery 1/{n} | consume 1/{n} |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        f"| workload | TP | delivery ms, {la} | delivery ms, {lb} | enqueue {la}/{lb} "
+        f"| delivery {la}/{lb} | consume {la}/{lb} |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for c in cells:
-        one, many = c["by_tag"]["1"], c["by_tag"][str(n)]
-        r = c["one_over_n"]
+        a, b = c["by_tag"][la], c["by_tag"][lb]
+        r = c["a_over_b"]
         lines.append(
-            f"| {_mib(c['tensor_bytes'])} | {c['tp']} | {one['delivery_ms_p50']:.2f} "
-            f"| {many['delivery_ms_p50']:.2f} | {r['enqueue_ms']:.2f} | **{r['delivery_ms']:.2f}** "
-            f"| {r['consume_ms']:.2f} |"
+            f"| {c['name']} | {c['tp']} | {a['delivery_ms_p50']:.2f} | {b['delivery_ms_p50']:.2f} "
+            f"| {r['enqueue_ms']:.2f} | **{r['delivery_ms']:.2f}** | {r['consume_ms']:.2f} |"
         )
-    with open(os.path.join(args.out, "copy_threads_ab.md"), "w") as f:
+    with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print(f"wrote {args.out}/copy_threads_ab.{{json,md}}")
+    print(f"wrote {args.out}/{stem}.{{json,md}}")
     return 0
+
+
+def copy_threads_main(args, argv) -> int:
+    """--copy-threads-ab N: the writer's copy on 1 thread or N threads."""
+    n = args.copy_threads_ab
+    return alternating_ab(
+        args,
+        argv,
+        arms=[
+            ("1 thread", lambda: _C.set_copy_threads(1)),
+            (f"{n} threads", lambda: _C.set_copy_threads(n)),
+        ],
+        reset=lambda: _C.set_copy_threads(0),
+        stem="copy_threads_ab",
+        what="Copy threads",
+        default_sizes=[16, 64, 200],
+    )
+
+
+def stream_main(args, argv) -> int:
+    """--stream-ab: the writer's copy with ordinary stores (streaming off) or with streaming
+    stores from the default working set (copy_pool.h), at the automatic thread count."""
+    default = _C.stream_min_bytes() or (32 << 20)  # 0 (off, from the environment): the default
+    return alternating_ab(
+        args,
+        argv,
+        arms=[
+            ("ordinary stores", lambda: _C.set_stream_min_bytes(0)),
+            (f"streaming from {default >> 20} MiB", lambda: _C.set_stream_min_bytes(default)),
+        ],
+        reset=lambda: _C.set_stream_min_bytes(default),
+        stem="stream_ab",
+        what="Streaming stores",
+        default_sizes=[8, 16, 32, 64, 200],
+        burst=True,
+    )
 
 
 def threshold_main(args, argv) -> int:
@@ -841,6 +884,11 @@ def main(argv=None) -> int:
         metavar="N",
         help="arena cells alternating the writer's copy between 1 and N threads per message",
     )
+    ap.add_argument(
+        "--stream-ab",
+        action="store_true",
+        help="arena cells alternating the writer's copy between ordinary and streaming stores",
+    )
     ap.add_argument("--tp", type=int, nargs="+")
     ap.add_argument("--sizes", type=float, nargs="+", help="tensor sizes in MiB")
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODE_LABEL))
@@ -869,6 +917,8 @@ def main(argv=None) -> int:
         return threshold_main(args, argv)
     if args.copy_threads_ab:
         return copy_threads_main(args, argv)
+    if args.stream_ab:
+        return stream_main(args, argv)
     tps = args.tp or ([1, 2, 4, 8] if args.full else [1, 4])
     sizes = args.sizes or ([8, 64, 200] if args.full else [8, 200])
     print(f"seed={args.seed}  TP={tps}  sizes MiB={sizes}  modes={args.modes}", flush=True)

@@ -2,9 +2,12 @@
 // memcpy at 1-256 MiB into a warm destination, while `readers` busy threads stream through
 // memory on the other CPUs (the queue's readers copying the previous message out), for no
 // readers and for every other usable CPU busy. Part 2: the arena writer's copy into a warm
-// and a never-touched slot. Prints GB/s and ratios (medians of interleaved repetitions);
-// never asserts. torch's copy_ on the same sizes is benchmarks/bench_extension.py. Built by
-// tests/cpp/CMakeLists.txt as `copy_bench`; run with `make bench-copy`.
+// and a never-touched slot. Part 3: ordinary vs streaming stores (copy_pool.h) into shared
+// memory, one thread, each copy followed by a second thread reading the bytes out (a
+// reader's consume), for single tensors and for a 25 x 16 MiB burst. Prints GB/s and ratios
+// (medians of interleaved repetitions); never asserts. torch's copy_ on the same sizes is
+// benchmarks/bench_extension.py. Built by tests/cpp/CMakeLists.txt as `copy_bench`; run with `make
+// bench-copy`.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -15,6 +18,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <sys/mman.h>
 
 #include "core/arena.h"
 #include "core/copy_pool.h"
@@ -150,6 +155,59 @@ void arena_slots(int reps) {
   }
 }
 
+// Writes `count` buffers of `mib` MiB into MAP_SHARED memory with memcpy or stream_copy, then
+// a second thread copies each out (a reader's consume); both timed, interleaved by repetition.
+void stream_vs_memcpy(int reps) {
+  std::printf(
+      "\nordinary vs streaming stores into shared memory (1 thread), then a reader's copy out\n");
+  std::printf("%12s %13s %13s %13s %13s %15s\n", "workload", "memcpy GB/s", "stream GB/s",
+              "write m/s", "consume m/s", "write+consume");
+  struct Case {
+    uint64_t mib;
+    int count;
+  };
+  for (Case c : {Case{8, 1}, Case{16, 1}, Case{64, 1}, Case{200, 1}, Case{16, 25}}) {
+    const uint64_t n = c.mib << 20;
+    std::vector<std::vector<uint8_t>> src(c.count, std::vector<uint8_t>(n, 1));
+    std::vector<uint8_t*> dst;
+    for (int k = 0; k < c.count; ++k) {
+      void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) return;
+      std::memset(p, 2, n);  // warm, like a reused arena allocation
+      dst.push_back(static_cast<uint8_t*>(p));
+    }
+    std::vector<uint8_t> out(n);
+    std::vector<double> w[2], r[2];
+    for (int i = 0; i < reps; ++i) {
+      for (int mode = 0; mode < 2; ++mode) {
+        w[mode].push_back(time_s([&] {
+          for (int k = 0; k < c.count; ++k) {
+            if (mode == 0) {
+              std::memcpy(dst[k], src[k].data(), n);
+            } else {
+              stream_copy(dst[k], src[k].data(), n);
+            }
+          }
+        }));
+        r[mode].push_back(time_s([&] {
+          std::thread t([&] {
+            for (int k = 0; k < c.count; ++k) std::memcpy(out.data(), dst[k], n);
+          });
+          t.join();
+        }));
+      }
+    }
+    double wm = median(w[0]), ws = median(w[1]), rm = median(r[0]), rs = median(r[1]);
+    std::string name = std::to_string(c.mib) + " MiB";
+    if (c.count > 1) name = std::to_string(c.count) + "x" + name;
+    double bytes = static_cast<double>(n) * c.count;
+    std::printf("%12s %13.2f %13.2f %13.2f %13.2f %15.2f\n", name.c_str(), bytes / wm / 1e9,
+                bytes / ws / 1e9, wm / ws, rm / rs, (wm + rm) / (ws + rs));
+    for (uint8_t* p : dst) munmap(p, n);
+  }
+  if (!stream_copy_supported()) std::printf("(no streaming stores on this CPU: both are memcpy)\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -168,5 +226,6 @@ int main(int argc, char** argv) {
   }
   for (unsigned readers : reader_counts) pool_vs_memcpy(readers, thread_counts, reps);
   arena_slots(reps);
+  stream_vs_memcpy(reps);
   return 0;
 }

@@ -140,8 +140,10 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
   }
 
   /// write_tensor for a tensor already known to be suitable; callable without the GIL.
-  std::optional<std::tuple<uint32_t, uint64_t>> write_checked(const at::Tensor& t) {
-    std::optional<Allocation> a = writer_->write(t.data_ptr(), tensor_nbytes(t));
+  /// `working_set`: ArenaWriter::write's (what this message has copied so far, plus this).
+  std::optional<std::tuple<uint32_t, uint64_t>> write_checked(const at::Tensor& t,
+                                                              uint64_t working_set = 0) {
+    std::optional<Allocation> a = writer_->write(t.data_ptr(), tensor_nbytes(t), working_set);
     if (!a) return std::nullopt;
     return std::make_tuple(a->record, a->generation);
   }
@@ -613,7 +615,7 @@ class MessageRingWriter {
       p += sizeof(uint64_t);
     }
     for (const auto& f : spans) {
-      if (f.second > 0) parallel_copy(p, f.first, f.second);
+      if (f.second > 0) parallel_copy(p, f.first, f.second, CopyTarget::kShared);
       p += f.second;
     }
     writer_->publish(total, flags);
@@ -798,6 +800,9 @@ struct ReducerState {
   py::object rebuild_tensor, rebuild_param;
   py::object arena_name;
   py::object diverted;  // a list; (slot, generation) appended per diversion
+  // Bytes this dump has copied into the arena so far (the copies' working set). A dump starts
+  // with `diverted` empty (the pickler clears it), which is where this restarts from zero.
+  uint64_t dump_copied = 0;
   std::array<py::object, static_cast<size_t>(at::ScalarType::NumOptions)> dtype_names;
   uint64_t min_bytes = 0;
 };
@@ -820,6 +825,7 @@ PyObject* reducer_call(PyObject* capsule, PyObject* obj) {
       Py_RETURN_NOTIMPLEMENTED;  // not host bytes: the out-of-band path decides
     }
     uint64_t nbytes = tensor_nbytes(t);
+    if (PyList_GET_SIZE(st->diverted.ptr()) == 0) st->dump_copied = 0;  // a new dump
     const py::object& dtype_name = st->dtype_names[static_cast<size_t>(t.scalar_type())];
     // A loaned tensor (or a contiguous view of one) not sent yet goes as it is, whatever its
     // size: it is in the arena already, so sending it costs no copy.
@@ -846,12 +852,14 @@ PyObject* reducer_call(PyObject* capsule, PyObject* obj) {
         st->writer->count_decline(DeclineReason::kUnsupported);
         Py_RETURN_NOTIMPLEMENTED;
       }
+      uint64_t working_set = st->dump_copied + nbytes;
       std::optional<std::tuple<uint32_t, uint64_t>> res;
       {
         py::gil_scoped_release nogil;
-        res = st->writer->write_checked(t);
+        res = st->writer->write_checked(t, working_set);
       }
       if (!res) Py_RETURN_NOTIMPLEMENTED;
+      st->dump_copied = working_set;
       std::tie(slot, gen) = *res;
     }
     py::tuple key = py::make_tuple(slot, gen);
@@ -1034,11 +1042,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The C-level reducer_override installed on _ArenaPickler instances.
   m.def("make_reducer", &make_reducer);
   // The parallel copy (for benchmarks and tests): dst/src are tensors, whole bytes.
-  m.def("parallel_copy", [](at::Tensor& dst, const at::Tensor& src) {
-    TORCH_CHECK_VALUE(dst.is_contiguous() && src.is_contiguous(), "tensors must be contiguous");
-    TORCH_CHECK_VALUE(dst.nbytes() >= src.nbytes(), "dst is smaller than src");
-    py::gil_scoped_release nogil;
-    parallel_copy(dst.data_ptr(), src.data_ptr(), src.nbytes());
+  // shared=True copies as into shared memory (streaming stores from stream_min_bytes()).
+  m.def(
+      "parallel_copy",
+      [](at::Tensor& dst, const at::Tensor& src, bool shared) {
+        TORCH_CHECK_VALUE(dst.is_contiguous() && src.is_contiguous(), "tensors must be contiguous");
+        TORCH_CHECK_VALUE(dst.nbytes() >= src.nbytes(), "dst is smaller than src");
+        py::gil_scoped_release nogil;
+        parallel_copy(dst.data_ptr(), src.data_ptr(), src.nbytes(),
+                      shared ? CopyTarget::kShared : CopyTarget::kLocal);
+      },
+      py::arg("dst"), py::arg("src"), py::arg("shared") = false);
+  // Streaming stores for copies into shared memory of at least n bytes (0: never).
+  m.def("set_stream_min_bytes", &set_stream_min_bytes, py::arg("n"));
+  m.def("stream_min_bytes", &stream_min_bytes);
+  m.def("stream_copy_supported", &stream_copy_supported);
+  m.def("copy_pool_stats", [] {
+    CopyPoolStats s = copy_pool_stats();
+    py::dict d;
+    d["copies"] = s.copies;
+    d["parallel_copies"] = s.parallel_copies;
+    d["stream_copies"] = s.stream_copies;
+    d["bytes"] = s.bytes;
+    d["threads"] = s.threads;
+    return d;
   });
   // Threads a copy may use (0 = automatic) and the size below which one memcpy is used.
   m.def("set_copy_threads", &set_copy_threads);

@@ -83,6 +83,27 @@ _cuda_seen = False
 _PIN_ENABLED = os.environ.get("VLLM_SHM_ARENA_PIN", "1") != "0"
 
 
+def _stream_min_from_env() -> None:
+    """VLLM_SHM_ARENA_STREAM_MIN_MB: a message's copies into the arena and the ring use
+    streaming stores once they have written this many MiB (default 32; 0 turns them off).
+    Read once at import."""
+    raw = os.environ.get("VLLM_SHM_ARENA_STREAM_MIN_MB")
+    if raw is None:
+        return
+    try:
+        mib = int(raw)
+        if mib < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(
+            f"VLLM_SHM_ARENA_STREAM_MIN_MB must be a whole number of MiB >= 0, got {raw!r}"
+        ) from None
+    _C.set_stream_min_bytes(mib << 20)
+
+
+_stream_min_from_env()
+
+
 def _cuda_context() -> bool:
     """Whether this process already has a CUDA context (never creates one). Sticky once true."""
     global _cuda_seen

@@ -586,10 +586,11 @@ void ArenaWriter::abort(const Allocation& stub) {
   ++stats_.aborted;
 }
 
-std::optional<Allocation> ArenaWriter::write(const void* src, uint64_t nbytes) {
+std::optional<Allocation> ArenaWriter::write(const void* src, uint64_t nbytes,
+                                             uint64_t working_set) {
   std::optional<Allocation> a = allocate(nbytes);
   if (!a) return a;
-  if (nbytes > 0) parallel_copy(a->data, src, nbytes);
+  if (nbytes > 0) parallel_copy(a->data, src, nbytes, CopyTarget::kShared, working_set);
   publish(*a);
   return a;
 }

@@ -121,8 +121,10 @@ class ArenaWriter {
   /// Gives an unpublished — or published but never sent — allocation back at once. Only
   /// `record` and `generation` of `a` are read; a stale pair is ignored.
   void abort(const Allocation& a);
-  /// allocate + parallel copy of `src` + publish; nullopt when declined.
-  std::optional<Allocation> write(const void* src, uint64_t nbytes);
+  /// allocate + parallel copy of `src` + publish; nullopt when declined. `working_set`: the
+  /// bytes this copy and those just before it (one message's) write, for the copy's choice of
+  /// stores (parallel_copy); 0 means this copy alone.
+  std::optional<Allocation> write(const void* src, uint64_t nbytes, uint64_t working_set = 0);
   /// Lends space for the caller to fill in place (no copy when it is sent). The allocation
   /// is held for the writer until end_loan(), even after readers released it, so the
   /// writer's view never aliases reused space.

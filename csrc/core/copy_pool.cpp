@@ -13,12 +13,31 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <emmintrin.h>  // SSE2: baseline on x86-64, so no CPU dispatch is needed
+#endif
+
 namespace vllm_shm_arena {
 
 namespace {
 
 constexpr size_t kStripeAlign = 4096;
 constexpr unsigned kMaxThreads = 8;
+constexpr size_t kDefaultStreamMinBytes = size_t{32} << 20;
+
+#if defined(__x86_64__)
+// One 64-byte line from `src` to `dst` (64-byte aligned) with streaming stores.
+inline void stream_line(uint8_t* dst, const uint8_t* src) {
+  __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+  __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
+  __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
+  _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
+}
+#endif
 
 bool read_text(const std::string& path, std::string* out) {
   std::ifstream f(path);
@@ -90,9 +109,18 @@ struct Job {
   size_t n = 0;
   size_t stripe = 0;
   size_t stripes = 0;
+  bool stream = false;
   std::atomic<size_t> next{0};
   std::atomic<size_t> done{0};
 };
+
+void copy_bytes(uint8_t* dst, const uint8_t* src, size_t n, bool stream) {
+  if (stream) {
+    stream_copy(dst, src, n);
+  } else {
+    std::memcpy(dst, src, n);
+  }
+}
 
 void run_stripes(Job* job) {
   for (;;) {
@@ -100,8 +128,9 @@ void run_stripes(Job* job) {
     if (i >= job->stripes) return;
     size_t off = i * job->stripe;
     size_t len = std::min(job->stripe, job->n - off);
-    std::memcpy(job->dst + off, job->src + off, len);
-    // release: publishes this stripe's bytes to the caller's acquire load of `done`.
+    copy_bytes(job->dst + off, job->src + off, len, job->stream);
+    // release: publishes this stripe's bytes to the caller's acquire load of `done` (a
+    // streamed stripe was fenced inside stream_copy, before this store).
     job->done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -110,13 +139,17 @@ class Pool {
  public:
   Pool() { reset_after_fork(); }
 
-  void copy(void* dst, const void* src, size_t n) {
+  void copy(void* dst, const void* src, size_t n, CopyTarget target, size_t working_set) {
     copies_.fetch_add(1, std::memory_order_relaxed);
     bytes_.fetch_add(n, std::memory_order_relaxed);
+    size_t stream_min = stream_min_.load(std::memory_order_relaxed);
+    bool stream = target == CopyTarget::kShared && stream_copy_supported() && stream_min != 0 &&
+                  n > 0 && std::max(n, working_set) >= stream_min;
+    if (stream) stream_copies_.fetch_add(1, std::memory_order_relaxed);
     // Size check first: small copies (most ring frames) never pay for the sizing syscall.
     unsigned want = n < min_parallel_.load(std::memory_order_relaxed) ? 1 : wanted_threads();
     if (want <= 1) {
-      std::memcpy(dst, src, n);
+      copy_bytes(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n, stream);
       return;
     }
     // Only one parallel copy at a time: the arena has one writer, and a second caller would
@@ -127,6 +160,7 @@ class Pool {
     job.dst = static_cast<uint8_t*>(dst);
     job.src = static_cast<const uint8_t*>(src);
     job.n = n;
+    job.stream = stream;
     size_t per = (n + want - 1) / want;
     job.stripe = (per + kStripeAlign - 1) / kStripeAlign * kStripeAlign;
     job.stripes = (n + job.stripe - 1) / job.stripe;
@@ -152,12 +186,15 @@ class Pool {
   void set_threads(unsigned n) { requested_.store(n, std::memory_order_relaxed); }
   void set_readers(unsigned n) { readers_.store(n, std::memory_order_relaxed); }
   void set_min_parallel(size_t n) { min_parallel_.store(n, std::memory_order_relaxed); }
+  void set_stream_min(size_t n) { stream_min_.store(n, std::memory_order_relaxed); }
+  size_t stream_min() const { return stream_min_.load(std::memory_order_relaxed); }
 
   CopyPoolStats stats() {
     CopyPoolStats s;
     s.copies = copies_.load(std::memory_order_relaxed);
     s.parallel_copies = parallel_.load(std::memory_order_relaxed);
     s.bytes = bytes_.load(std::memory_order_relaxed);
+    s.stream_copies = stream_copies_.load(std::memory_order_relaxed);
     pthread_mutex_lock(&mu_);
     s.threads = static_cast<uint32_t>(threads_.size());
     pthread_mutex_unlock(&mu_);
@@ -186,6 +223,7 @@ class Pool {
     copies_.store(0, std::memory_order_relaxed);
     parallel_.store(0, std::memory_order_relaxed);
     bytes_.store(0, std::memory_order_relaxed);
+    stream_copies_.store(0, std::memory_order_relaxed);
     cgroup_limit_.store(kUnknown, std::memory_order_relaxed);  // the child may be moved
   }
 
@@ -260,6 +298,8 @@ class Pool {
   std::atomic<uint64_t> copies_{0};
   std::atomic<uint64_t> parallel_{0};
   std::atomic<uint64_t> bytes_{0};
+  std::atomic<uint64_t> stream_copies_{0};
+  std::atomic<size_t> stream_min_{kDefaultStreamMinBytes};
 };
 
 Pool* pool_instance() {
@@ -275,7 +315,54 @@ Pool* pool_instance() {
 
 }  // namespace
 
-void parallel_copy(void* dst, const void* src, size_t n) { pool_instance()->copy(dst, src, n); }
+void parallel_copy(void* dst, const void* src, size_t n, CopyTarget target, size_t working_set) {
+  pool_instance()->copy(dst, src, n, target, working_set);
+}
+
+bool stream_copy_supported() {
+#if defined(__x86_64__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void stream_copy(void* dst_v, const void* src_v, size_t n) {
+#if defined(__x86_64__)
+  auto* dst = static_cast<uint8_t*>(dst_v);
+  auto* src = static_cast<const uint8_t*>(src_v);
+  // Head: up to the destination's next 64-byte boundary, with ordinary stores.
+  size_t head = std::min(n, (64 - (reinterpret_cast<uintptr_t>(dst) & 63)) & 63);
+  std::memcpy(dst, src, head);
+  dst += head;
+  src += head;
+  n -= head;
+  // Body: four 4 KiB pages at a time, one line from each in turn, which keeps four DRAM pages
+  // streaming instead of one (on the development machine this matched glibc's own
+  // non-temporal memcpy at 200 MiB, where a line-by-line loop was 10% slower).
+  constexpr size_t kPage = 4096;
+  constexpr size_t kBlock = 4 * kPage;
+  size_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    for (size_t line = 0; line < kPage; line += 64) {
+      for (size_t page = 0; page < kBlock; page += kPage) {
+        stream_line(dst + i + page + line, src + i + page + line);
+      }
+    }
+  }
+  for (; i + 64 <= n; i += 64) stream_line(dst + i, src + i);
+  std::memcpy(dst + i, src + i, n - i);
+  // Streaming stores are weakly ordered: the fence makes them visible before any later store
+  // of this thread (the release store that publishes the copy).
+  _mm_sfence();
+#else
+  std::memcpy(dst_v, src_v, n);
+#endif
+}
+
+void set_stream_min_bytes(size_t n) { pool_instance()->set_stream_min(n); }
+
+size_t stream_min_bytes() { return pool_instance()->stream_min(); }
 void set_copy_threads(unsigned n) { pool_instance()->set_threads(n); }
 void set_copy_readers(unsigned n) { pool_instance()->set_readers(n); }
 unsigned copy_threads() { return pool_instance()->wanted_threads(); }

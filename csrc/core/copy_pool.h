@@ -12,6 +12,20 @@
 // the 2-core development machine that leaves one thread: two copy threads competing with the
 // readers were slower than one (benchmarks/results/copy_bench.txt).
 //
+// Streaming stores: a copy into shared memory (`CopyTarget::kShared`: the arena's data region
+// and the ring's chunks, which other processes read next) uses non-temporal stores on x86-64
+// once its working set (the copy, plus what the same message wrote just before it) reaches
+// stream_min_bytes(), 32 MiB by default. An ordinary store first reads the destination line
+// into the cache (read-for-ownership), so a copy whose destination is not in the cache moves
+// three bytes per byte copied; a streaming store writes the line without reading it. A
+// single tensor of 16 MiB written to the same warm allocation message after message stays in
+// the cache, and there ordinary stores were as fast or faster; 32-64 MiB, and a 25 x 16 MiB
+// burst, were 1.1-1.5x faster streamed. glibc's memcpy streams by itself only above a
+// threshold derived from the last-level cache (about 195 MiB on a host reporting a 260 MiB
+// L3). Measured in benchmarks/results/stream_ab.md (delivery and consume in the broadcast)
+// and by `make bench-copy`. Other architectures use memcpy. Copies into process-local memory
+// (a reader copying out) never stream: whoever asked for them reads the bytes next.
+//
 // Fork safety: a child forked from a process that owns the pool has none of its threads. A
 // pthread_atfork child handler resets the pool to "no threads", so the child restarts them
 // lazily on its first parallel copy, and exits without waiting on threads that don't exist.
@@ -30,11 +44,36 @@ struct CopyPoolStats {
   uint64_t copies = 0;           ///< calls of parallel_copy
   uint64_t parallel_copies = 0;  ///< calls that used more than one thread
   uint64_t bytes = 0;            ///< bytes copied
+  uint64_t stream_copies = 0;    ///< calls that used streaming stores
   uint32_t threads = 0;          ///< worker threads currently running in this process
 };
 
-/// Copies `n` bytes from `src` to `dst` (non-overlapping), using the pool when it pays.
-void parallel_copy(void* dst, const void* src, size_t n);
+/// Where a copy's bytes go: memory this process reads next, or shared memory that other
+/// processes read next (eligible for streaming stores, see above).
+enum class CopyTarget { kLocal, kShared };
+
+/// Copies `n` bytes from `src` to `dst` (non-overlapping), using the pool when it pays. Every
+/// byte is visible to other threads and processes once it returns (streaming stores are
+/// fenced), so a release store after it publishes them. `working_set`: for a kShared copy,
+/// the bytes it and the copies just before it for the same message write (0: `n`); the copy
+/// streams when the larger of the two reaches stream_min_bytes().
+void parallel_copy(void* dst, const void* src, size_t n, CopyTarget target = CopyTarget::kLocal,
+                   size_t working_set = 0);
+
+/// Copies with streaming (non-temporal) stores on x86-64, memcpy elsewhere; any alignment,
+/// ends with a store fence. What parallel_copy uses for large kShared copies; exposed for
+/// tests and the copy benchmark.
+void stream_copy(void* dst, const void* src, size_t n);
+
+/// True where stream_copy really uses streaming stores (x86-64).
+bool stream_copy_supported();
+
+/// kShared copies whose working set is at least `n` bytes stream; 0 turns streaming off.
+/// Process-wide.
+void set_stream_min_bytes(size_t n);
+
+/// The current streaming threshold (0: off).
+size_t stream_min_bytes();
 
 /// Sets how many threads (caller included) a copy may use; 0 = automatic
 /// (auto_copy_threads(usable_cpus(), readers)). Takes effect on the next copy.

@@ -37,6 +37,59 @@ TEST_CASE("parallel copy is byte-exact at awkward sizes", "[copy]") {
   set_min_parallel_bytes(4 << 20);
 }
 
+TEST_CASE("streaming copy is byte-exact at every alignment and tail", "[copy]") {
+  // Sizes around the 64-byte line and the 16 KiB four-page block; offsets put the destination
+  // at every alignment of a line, the source independently misaligned.
+  for (size_t n : {size_t{0}, size_t{1}, size_t{63}, size_t{64}, size_t{65}, size_t{4095},
+                   size_t{16384}, size_t{16384 + 64 + 7}, size_t{(1 << 20) + 4093}}) {
+    for (size_t dst_off : {size_t{0}, size_t{1}, size_t{17}, size_t{63}}) {
+      size_t src_off = (dst_off * 7 + 3) % 64;
+      std::vector<uint8_t> src(n + 128), dst(n + 128, 0xA5);
+      vsa_test::fill_pattern(src.data(), src.size(), n + dst_off);
+      stream_copy(dst.data() + dst_off, src.data() + src_off, n);
+      INFO("n=" << n << " dst_off=" << dst_off << " src_off=" << src_off);
+      CHECK(std::memcmp(dst.data() + dst_off, src.data() + src_off, n) == 0);
+      // Nothing written outside [dst_off, dst_off + n).
+      CHECK(std::all_of(dst.begin(), dst.begin() + dst_off, [](uint8_t b) { return b == 0xA5; }));
+      CHECK(std::all_of(dst.begin() + dst_off + n, dst.end(), [](uint8_t b) { return b == 0xA5; }));
+    }
+  }
+}
+
+TEST_CASE("copies into shared memory stream from the working-set threshold up, local never",
+          "[copy]") {
+  size_t saved = stream_min_bytes();
+  set_stream_min_bytes(size_t{1} << 20);
+  for (unsigned threads : {1u, 3u}) {
+    set_copy_threads(threads);
+    set_min_parallel_bytes(1 << 16);
+    std::vector<uint8_t> src((2 << 20) + 5), dst(src.size() + 1);
+    vsa_test::fill_pattern(src.data(), src.size(), threads);
+    uint64_t before = copy_pool_stats().stream_copies;
+    parallel_copy(dst.data() + 1, src.data(), src.size(), CopyTarget::kShared);
+    CHECK(std::memcmp(dst.data() + 1, src.data(), src.size()) == 0);
+    uint64_t want = stream_copy_supported() ? 1 : 0;
+    CHECK(copy_pool_stats().stream_copies - before == want);
+    // Below the threshold, or local, or with streaming off: ordinary stores.
+    parallel_copy(dst.data(), src.data(), (1 << 20) - 1, CopyTarget::kShared);
+    parallel_copy(dst.data(), src.data(), src.size(), CopyTarget::kLocal);
+    set_stream_min_bytes(0);
+    parallel_copy(dst.data(), src.data(), src.size(), CopyTarget::kShared);
+    CHECK(std::memcmp(dst.data(), src.data(), src.size()) == 0);
+    CHECK(copy_pool_stats().stream_copies - before == want);
+    set_stream_min_bytes(size_t{1} << 20);
+    // A small copy streams when the message's working set (it and the copies before it)
+    // reaches the threshold.
+    std::fill(dst.begin(), dst.end(), 0);
+    parallel_copy(dst.data(), src.data(), 1000, CopyTarget::kShared, size_t{1} << 20);
+    CHECK(std::memcmp(dst.data(), src.data(), 1000) == 0);
+    CHECK(copy_pool_stats().stream_copies - before == 2 * want);
+  }
+  set_stream_min_bytes(saved);
+  set_copy_threads(0);
+  set_min_parallel_bytes(4 << 20);
+}
+
 TEST_CASE("a forked child can copy in parallel and exit without hanging", "[copy][fork]") {
   set_min_parallel_bytes(1 << 16);
   set_copy_threads(3);

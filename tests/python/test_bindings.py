@@ -141,3 +141,55 @@ def test_queue_writer_tells_the_copy_pool_its_local_readers(tmp_path, monkeypatc
         mq.shutdown()
         _C.set_copy_readers(0)
     assert _C.copy_threads() == alone
+
+
+def test_a_message_streams_its_copies_once_they_pass_the_working_set_threshold(tmp_path):
+    """A message's arena copies use streaming stores once the message has written
+    stream_min_bytes (a burst of tensors no cache holds), and the count restarts with each
+    message: here 3 x 1 MiB with a 2 MiB threshold streams the second and third copy of every
+    message, never the first."""
+    from vllm_shm_arena.arena import ShmTensorArena
+
+    arena = ShmTensorArena.create(1, policy="variable", arena_bytes=64 << 20, shm_dir=str(tmp_path))
+    reader = ShmTensorArena.attach(arena.handle(), 0)
+    saved = _C.stream_min_bytes()
+    _C.set_stream_min_bytes(2 << 20)
+    try:
+        ts = [torch.arange(1 << 18, dtype=torch.int32) * (k + 3) for k in range(3)]
+        want = 2 if _C.stream_copy_supported() else 0
+        for _ in range(3):
+            before = _C.copy_pool_stats()["stream_copies"]
+            data, bufs = dumps({"t": ts}, arena)
+            assert arena.stats()["hits"] >= 3 and not bufs  # all three went into the arena
+            assert _C.copy_pool_stats()["stream_copies"] - before == want
+            got = loads(data, bufs)["t"]
+            assert all(torch.equal(a, b) for a, b in zip(got, ts, strict=True))
+            del got
+        # Streaming off: nothing streams, whatever the message writes.
+        _C.set_stream_min_bytes(0)
+        before = _C.copy_pool_stats()["stream_copies"]
+        got = loads(*dumps({"t": ts}, arena))["t"]
+        assert all(torch.equal(a, b) for a, b in zip(got, ts, strict=True))
+        assert _C.copy_pool_stats()["stream_copies"] == before
+        del got
+    finally:
+        _C.set_stream_min_bytes(saved)
+        reader.close()
+        arena.close()
+
+
+def test_stream_threshold_from_the_environment_is_checked(tmp_path):
+    """VLLM_SHM_ARENA_STREAM_MIN_MB sets the threshold at import; a bad value is a clear
+    error naming the variable, not a silent default."""
+    import subprocess
+    import sys
+
+    code = "import vllm_shm_arena.arena as a; print(a._C.stream_min_bytes())"
+    env = {**os.environ, "VLLM_SHM_ARENA_STREAM_MIN_MB": "7"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == 7 << 20
+    env["VLLM_SHM_ARENA_STREAM_MIN_MB"] = "lots"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "VLLM_SHM_ARENA_STREAM_MIN_MB" in out.stderr and "'lots'" in out.stderr
