@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include <unistd.h>
+#include "core/copy_pool.h"  // usable_cpus
 #include "core/errors.h"
 #include "core/futex.h"
 
@@ -478,7 +479,9 @@ RingReader::RingReader(void* base, size_t bytes, uint32_t rank, const TokenFile&
   chunks_ = t.chunks;
   payload_ = t.payload;
   stride_ = t.stride;
-  spin_ = std::thread::hardware_concurrency() > config_.n_readers + 1;
+  // Spinning only pays with a CPU to spare for every reader and the writer: the CPUs this
+  // process may use (affinity mask, cgroup quota), not every CPU of the host.
+  spin_ = usable_cpus() > config_.n_readers + 1;
 
   const uint64_t me = static_cast<uint64_t>(owner_pid_);
   try {
