@@ -10,9 +10,9 @@ not modified; ``time.perf_counter_ns`` around each):
 * ring read: ``RingReader.read`` (acquire the chunk, copy its frames into bytearrays,
   release it), through a proxy standing in for ``mq._ring``;
 * frame handling: ``_parse_diverted`` (the frame listing the message's arena records);
-* unpickle: ``loads``, split into pickle's own work, ``_rebuild_arena_tensor``'s stub checks
-  and registry lookup, ``ShmTensorArena.get_tensor``'s Python, and the C++ ``get_tensor``
-  (acquire the record, ``at::from_blob``);
+* unpickle: ``loads``, split into pickle's own work, ``_rebuild_arena_tensor``'s Python
+  (registry lookup, pin decision) and the reader's C++ ``rebuild`` (the stub's checks, the
+  dtype lookup, acquiring the record, ``at::from_blob``);
 * ``flush_releases``;
 * stats/metrics reporting (``arena.stats()`` and ``metrics.record_reader_stats``): gated to
   once a second, so reported per call and per message;
@@ -60,9 +60,8 @@ PIECES = [
     "ring_read",
     "frame_handling",
     "unpickle_pickle",
-    "unpickle_rebuild_checks",
-    "unpickle_get_tensor_py",
-    "unpickle_get_tensor_cxx",
+    "unpickle_rebuild_py",
+    "unpickle_rebuild_cxx",
     "flush_releases",
     "stats_metrics",
     "python_overhead",
@@ -101,15 +100,15 @@ class _RingProxy:
 
 
 class _ReaderProxy:
-    """Stands in for ``arena._reader`` (the C++ ``ArenaReader``): times ``get_tensor``."""
+    """Stands in for ``arena._reader`` (the C++ ``ArenaReader``): times ``rebuild``."""
 
     def __init__(self, reader, rec):
         self._r, self._rec = reader, rec
 
-    def get_tensor(self, *a):
+    def rebuild(self, *a):
         t0 = _now()
-        t = self._r.get_tensor(*a)
-        self._rec.add("get_tensor_cxx", _now() - t0)
+        t = self._r.rebuild(*a)
+        self._rec.add("rebuild_cxx", _now() - t0)
         return t
 
     def __getattr__(self, name):
@@ -147,7 +146,6 @@ class Instrument:
         self.reader = _ReaderProxy(arena._reader, rec)
         self.flush = _timed(arena.flush_releases, rec, "flush_releases")
         self.stats = _timed(arena.stats, rec, "stats")
-        self.get_tensor = _timed(arena.get_tensor, rec, "get_tensor_py")
         self.parse = _timed(mq_mod._parse_diverted, rec, "frame_handling")
         self.loads = _timed(mq_mod.loads, rec, "unpickle")
         # Pickle finds the stub's rebuild function by module attribute at load time.
@@ -160,7 +158,6 @@ class Instrument:
         arena._reader = self.reader
         arena.flush_releases = self.flush
         arena.stats = self.stats
-        arena.get_tensor = self.get_tensor
         mq_mod._parse_diverted = self.parse
         mq_mod.loads = self.loads
         arena_mod._rebuild_arena_tensor = self.rebuild
@@ -170,7 +167,7 @@ class Instrument:
         mq, arena = self.mq, self.mq.arena
         mq._ring = self.orig["ring"]
         arena._reader = self.orig["reader"]
-        for name in ("flush_releases", "stats", "get_tensor"):
+        for name in ("flush_releases", "stats"):
             arena.__dict__.pop(name, None)
         mq_mod._parse_diverted = self.orig["parse"]
         mq_mod.loads = self.orig["loads"]
@@ -305,19 +302,14 @@ def part_a(name, tp, sizes_mb, n_msgs, seed):
     rows = []
     for res in inst:
         for r in res:
-            rebuild, gpy, gcx = (
-                r.get("rebuild", 0),
-                r.get("get_tensor_py", 0),
-                r.get("get_tensor_cxx", 0),
-            )
+            rebuild, cxx = r.get("rebuild", 0), r.get("rebuild_cxx", 0)
             stats_metrics = r.get("stats", 0) + r.get("metrics", 0)
             piece = {
                 "ring_read": r.get("ring_read", 0),
                 "frame_handling": r.get("frame_handling", 0),
                 "unpickle_pickle": r.get("unpickle", 0) - rebuild,
-                "unpickle_rebuild_checks": rebuild - gpy,
-                "unpickle_get_tensor_py": gpy - gcx,
-                "unpickle_get_tensor_cxx": gcx,
+                "unpickle_rebuild_py": rebuild - cxx,
+                "unpickle_rebuild_cxx": cxx,
                 "flush_releases": r.get("flush_releases", 0),
                 "stats_metrics": stats_metrics,
             }

@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #include "core/arena.h"
@@ -790,6 +791,116 @@ at::Tensor tensor_from_buffer(py::object buffer, at::ScalarType dtype,
 }
 
 // ---------------------------------------------------------------------------------------
+// Unpickling an arena stub (vllm_shm_arena.arena._rebuild_arena_tensor): the stub's fields
+// come from the message, so each is checked here before it means anything, with the errors a
+// malformed stub has always raised; then the dtype string is looked up and the tensor built.
+// One C call per tensor instead of a Python check per field.
+
+std::string repr_of(py::handle h) {
+  PyObject* r = PyObject_Repr(h.ptr());
+  if (r == nullptr) {
+    PyErr_Clear();
+    return "<unprintable>";
+  }
+  py::object owned = py::reinterpret_steal<py::object>(r);
+  return py::cast<std::string>(owned);
+}
+
+// A stub field that must be a Python int (not a bool) >= 0, below `limit`: its value, or
+// nullopt when it is >= limit (the caller words that error). Anything else is malformed.
+std::optional<uint64_t> stub_uint(py::handle v, const char* what, uint64_t limit) {
+  if (!PyLong_Check(v.ptr()) || PyBool_Check(v.ptr())) {
+    throw InvalidArgument(std::string("malformed arena stub: ") + what + "=" + repr_of(v));
+  }
+  int overflow = 0;
+  long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+  if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
+  if (overflow < 0 || (overflow == 0 && x < 0)) {
+    throw InvalidArgument(std::string("malformed arena stub: ") + what + "=" + repr_of(v));
+  }
+  if (overflow > 0 || static_cast<uint64_t>(x) >= limit) return std::nullopt;
+  return static_cast<uint64_t>(x);
+}
+
+/// Stub dtype strings ("bfloat16") -> dtypes, registered once by the package at import.
+std::unordered_map<std::string, at::ScalarType>& stub_dtypes() {
+  static auto* table = new std::unordered_map<std::string, at::ScalarType>();
+  return *table;
+}
+
+void register_stub_dtypes(const py::dict& by_name) {
+  auto& table = stub_dtypes();
+  table.clear();
+  for (auto item : by_name) {
+    table[py::cast<std::string>(item.first)] = py::cast<at::ScalarType>(item.second);
+  }
+}
+
+at::Tensor rebuild_stub(TensorArenaReader& reader, py::handle slot_idx, py::handle generation,
+                        py::handle nbytes, py::handle dtype_str, py::handle shape,
+                        py::handle offset, bool cuda_context) {
+  std::optional<uint64_t> slot = stub_uint(slot_idx, "slot_idx", uint64_t{1} << 32);
+  std::optional<uint64_t> gen = stub_uint(generation, "generation", uint64_t{1} << 63);
+  std::optional<uint64_t> n = stub_uint(nbytes, "nbytes", uint64_t{1} << 62);
+  if (!slot) {
+    throw OutOfRange("malformed arena stub: slot_idx " + py::cast<std::string>(py::str(slot_idx)) +
+                     " out of range");
+  }
+  // Generations start at 1: a stub never carries 0, and 0 must not mean "whatever the slot
+  // holds now", which would skip the stale-stub check.
+  if (!gen || *gen == 0) {
+    throw InvalidArgument("malformed arena stub: generation=" + repr_of(generation));
+  }
+  if (!n) {
+    throw InvalidArgument("malformed arena stub: nbytes=" + repr_of(nbytes) + " is too large");
+  }
+  PyObject* sh = shape.ptr();
+  if (!PyTuple_Check(sh) && !PyList_Check(sh)) {
+    throw InvalidArgument("malformed arena stub: shape=" + repr_of(shape));
+  }
+  py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(sh, "shape"));
+  if (!seq) throw py::error_already_set();
+  Py_ssize_t ndim = PySequence_Fast_GET_SIZE(seq.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+  std::vector<int64_t> dims(static_cast<size_t>(ndim));
+  bool negative = false;
+  for (Py_ssize_t i = 0; i < ndim; ++i) {
+    if (!PyLong_Check(items[i]) || PyBool_Check(items[i])) {
+      throw InvalidArgument("malformed arena stub: shape=" + repr_of(shape));
+    }
+    int overflow = 0;
+    long long d = PyLong_AsLongLongAndOverflow(items[i], &overflow);
+    if (d == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (overflow != 0) {
+      throw InvalidArgument("malformed arena stub: dimension " + repr_of(items[i]) +
+                            " in shape is too large");
+    }
+    negative = negative || d < 0;
+    dims[static_cast<size_t>(i)] = d;
+  }
+  if (negative) {
+    throw InvalidArgument("malformed arena stub: negative dimension in shape " +
+                          repr_of(py::tuple(seq)));
+  }
+  std::optional<uint64_t> off = stub_uint(offset, "offset", uint64_t{1} << 62);
+  if (!off) throw InvalidArgument("malformed arena stub: offset=" + repr_of(offset));
+  at::ScalarType dtype;
+  {
+    Py_ssize_t len = 0;
+    const char* name =
+        PyUnicode_Check(dtype_str.ptr()) ? PyUnicode_AsUTF8AndSize(dtype_str.ptr(), &len) : nullptr;
+    if (name == nullptr) PyErr_Clear();
+    auto& table = stub_dtypes();
+    auto it = name == nullptr ? table.end() : table.find(std::string(name, len));
+    if (it == table.end()) {
+      throw InvalidArgument("unknown dtype string " + repr_of(dtype_str) + " in an arena stub");
+    }
+    dtype = it->second;
+  }
+  return reader.get_tensor(static_cast<uint32_t>(*slot), *gen, *n, dtype, dims, cuda_context, *off);
+}
+
+// ---------------------------------------------------------------------------------------
 // The pickler's per-object check, as a C-level callable (see vllm_shm_arena/pickler.py for
 // the Python reference it mirrors). Non-tensors return NotImplemented after one pointer
 // comparison, which is what keeps pickling of tensor-free messages at full speed.
@@ -980,6 +1091,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("get_tensor", &TensorArenaReader::get_tensor, py::arg("slot"), py::arg("generation"),
            py::arg("nbytes"), py::arg("dtype"), py::arg("shape"), py::arg("cuda_context"),
            py::arg("offset") = 0)
+      // An arena stub's fields, checked, -> its tensor (what _rebuild_arena_tensor calls).
+      .def("rebuild", &rebuild_stub, py::arg("slot_idx"), py::arg("generation"), py::arg("nbytes"),
+           py::arg("dtype_str"), py::arg("shape"), py::arg("offset"), py::arg("cuda_context"))
       // Releases freed slots whose DMA completed; `stream` is a cudaStream_t as an int.
       .def("flush_releases", &TensorArenaReader::flush_releases, py::arg("stream") = 0,
            py::call_guard<py::gil_scoped_release>())
@@ -1041,6 +1155,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("shape"));
   // The C-level reducer_override installed on _ArenaPickler instances.
   m.def("make_reducer", &make_reducer);
+  // The stub dtype strings readers accept (arena.py's _DTYPE_BY_NAME), registered at import.
+  m.def("register_stub_dtypes", &register_stub_dtypes, py::arg("by_name"));
   // The parallel copy (for benchmarks and tests): dst/src are tensors, whole bytes.
   // shared=True copies as into shared memory (streaming stores from stream_min_bytes()).
   m.def(

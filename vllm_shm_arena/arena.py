@@ -41,6 +41,7 @@ for _obj in vars(torch).values():
     if isinstance(_obj, torch.dtype) and not str(_obj).startswith("torch.q"):
         _NAME_BY_DTYPE[_obj] = str(_obj).removeprefix("torch.")
 _DTYPE_BY_NAME: dict[str, torch.dtype] = {n: d for d, n in _NAME_BY_DTYPE.items()}
+_C.register_stub_dtypes(_DTYPE_BY_NAME)  # what a reader's stub rebuild accepts
 del _obj
 
 
@@ -464,34 +465,16 @@ def _lookup(arena_name: str) -> ShmTensorArena:
     return arena
 
 
-def _check_stub(slot_idx, generation, nbytes, shape) -> None:
-    for what, v in (("slot_idx", slot_idx), ("generation", generation), ("nbytes", nbytes)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"malformed arena stub: {what}={v!r}")
-    if slot_idx >= 1 << 32:
-        raise IndexError(f"malformed arena stub: slot_idx {slot_idx} out of range")
-    if generation == 0 or generation >= 1 << 63:
-        # Generations start at 1: a stub never carries 0, and 0 must not mean "whatever the
-        # slot holds now", which would skip the stale-stub check.
-        raise ValueError(f"malformed arena stub: generation={generation}")
-    if nbytes >= 1 << 62:
-        raise ValueError(f"malformed arena stub: nbytes={nbytes} is too large")
-    if not isinstance(shape, (tuple, list)) or not all(
-        isinstance(d, int) and not isinstance(d, bool) for d in shape
-    ):
-        raise ValueError(f"malformed arena stub: shape={shape!r}")
-    if any(d < 0 for d in shape):
-        raise ValueError(f"malformed arena stub: negative dimension in shape {tuple(shape)}")
-
-
 def _rebuild_arena_tensor(arena_name, slot_idx, generation, nbytes, dtype_str, shape, offset=0):
     """Unpickles an arena stub into a zero-copy tensor over the slot (``offset`` bytes into
-    it, for a view of a loaned tensor)."""
-    _check_stub(slot_idx, generation, nbytes, shape)
-    if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < 1 << 62:
-        raise ValueError(f"malformed arena stub: offset={offset!r}")
+    it, for a view of a loaned tensor). The stub's fields come from the message: the reader's
+    ``rebuild`` (C++) checks each one (``ValueError``/``IndexError`` naming it) before use."""
     arena = _lookup(arena_name)
-    return arena.get_tensor(slot_idx, nbytes, dtype_from_name(dtype_str), shape, generation, offset)
+    r = arena._require_reader()
+    pin = _PIN_ENABLED and (_cuda_seen or _cuda_context())
+    if pin:
+        arena._may_gate = True
+    return r.rebuild(slot_idx, generation, nbytes, dtype_str, shape, offset, pin)
 
 
 def _rebuild_arena_parameter(arena_name, slot_idx, generation, nbytes, dtype_str, shape, offset=0):
