@@ -270,7 +270,8 @@ def write_outputs(result: dict, out_dir: str) -> None:
         f"Run: `{result['command']}` on {result['date']}, {result['elapsed_s'] / 60:.1f} min; "
         f"torch {result['machine']['torch']}, copy threads {result['copy_threads']}. "
         f"Load average (1 min) during the run: median {la['median']:.2f}, "
-        f"min {la['min']:.2f}, max {la['max']:.2f} (other engineers' builds shared the 2 cores). "
+        f"min {la['min']:.2f}, max {la['max']:.2f} (the benchmark's own writer and readers count: "
+        "at TP=4 that is five processes). "
         "Lock-step messages, forked readers that copy each tensor into host memory. Per cell: "
         "the per-message p50 over the measured messages, then the median over "
         f"{result['repeats']} interleaved repetitions, [min-max] of the repetitions. Messages "
@@ -296,15 +297,19 @@ def write_outputs(result: dict, out_dir: str) -> None:
             f"| {g('delivery vllm-arena/loan')} |"
         )
     t = result["targets"]
+
+    def num(v):  # a ratio, or "—" when this run had no cell for it (--only)
+        return "—" if v is None else f"{v:.2f}"
+
     lines += [
         "",
         "## Against issue 13's targets",
         "",
         f"- cells with delivery ratio >= 0.95: {t['cells_delivery_ge_0.95']} of {t['cells']} "
-        f"(lowest {t['min_delivery_ratio']:.2f}); consume: {t['cells_consume_ge_0.95']} of "
-        f"{t['cells']} (lowest {t['min_consume_ratio']:.2f})",
-        f"- geometric mean over those cells: delivery {t['geomean_delivery_ratio']:.2f}, "
-        f"consume {t['geomean_consume_ratio']:.2f} (target >= 1.3)",
+        f"(lowest {num(t['min_delivery_ratio'])}); consume: {t['cells_consume_ge_0.95']} of "
+        f"{t['cells']} (lowest {num(t['min_consume_ratio'])})",
+        f"- geometric mean over those cells: delivery {num(t['geomean_delivery_ratio'])}, "
+        f"consume {num(t['geomean_consume_ratio'])} (target >= 1.3)",
         "- burst delivery ratio by TP: "
         + ", ".join(f"{v:.2f}" for v in t["burst_delivery_ratio"])
         + " (target >= 5)",

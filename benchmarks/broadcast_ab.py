@@ -790,7 +790,8 @@ def copy_threads_main(args, argv) -> int:
 def stream_main(args, argv) -> int:
     """--stream-ab: the writer's copy with ordinary stores (streaming off) or with streaming
     stores from the default working set (copy_pool.h), at the automatic thread count."""
-    default = _C.stream_min_bytes() or (32 << 20)  # 0 (off, from the environment): the default
+    saved = _C.stream_min_bytes()
+    default = saved or (32 << 20)  # 0 (off, from the environment): compare with the default
     return alternating_ab(
         args,
         argv,
@@ -798,7 +799,7 @@ def stream_main(args, argv) -> int:
             ("ordinary stores", lambda: _C.set_stream_min_bytes(0)),
             (f"streaming from {default >> 20} MiB", lambda: _C.set_stream_min_bytes(default)),
         ],
-        reset=lambda: _C.set_stream_min_bytes(default),
+        reset=lambda: _C.set_stream_min_bytes(saved),
         stem="stream_ab",
         what="Streaming stores",
         default_sizes=[8, 16, 32, 64, 200],
