@@ -4,7 +4,7 @@ SHELL := /bin/bash
 CLANG_FORMAT := .venv/bin/clang-format
 CXX_SOURCES = $(shell find csrc tests/cpp tests/fake_cudart benchmarks -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: bootstrap bench bench-copy bench-full bench-vs-vllm test lint cpp-test py-test stress sanitize tsan asan gpu-check vllm-test vllm-queue-tests serve-test format
+.PHONY: bootstrap bench bench-copy bench-full bench-vs-vllm test lint cpp-test py-test stress sanitize tsan asan gpu-check gpu-bundle vllm-test vllm-queue-tests serve-test format
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -83,6 +83,11 @@ vllm-queue-tests:
 serve-test:
 	bash scripts/serve_test.sh
 
-# On a machine with a GPU (see scripts/gpu_check.sh).
+# On a machine with a GPU (see scripts/gpu_check.sh). gpu-bundle, here, packs what such a host
+# lacks into .whl/ (wheels, and vLLM's queue as Python files) to carry there.
 gpu-check:
 	bash scripts/gpu_check.sh
+
+gpu-bundle:
+	VLLM_TEST_SETUP_ONLY=1 bash scripts/vllm_test.sh
+	bash scripts/gpu_bundle.sh

@@ -34,6 +34,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import sys
 import time
@@ -113,6 +114,10 @@ def scheduler_step(seed: int, n_running: int = 256, n_new: int = 8) -> dict:
             torch.int32
         ),
     }
+
+
+class _Interrupted(Exception):
+    """SIGTERM during the sweep."""
 
 
 def workloads(seed: int, sides: list[int]) -> list[dict]:
@@ -267,12 +272,24 @@ def write_outputs(result: dict, out_dir: str) -> None:
         f"# Ours vs vLLM {result['vllm_version']}'s own queue and arena "
         f"({result['machine']['summary']})",
         "",
-        f"Run: `{result['command']}` on {result['date']}, {result['elapsed_s'] / 60:.1f} min; "
+        f"Run: `{result['command']}` on {result['date']}, {result['elapsed_s'] / 60:.1f} min"
+        + (
+            " (**interrupted**: only the cells below were measured)"
+            if result.get("interrupted")
+            else ""
+        )
+        + "; "
         f"torch {result['machine']['torch']}, copy threads {result['copy_threads']}. "
         f"Load average (1 min) during the run: median {la['median']:.2f}, "
         f"min {la['min']:.2f}, max {la['max']:.2f} (the benchmark's own writer and readers count: "
         "at TP=4 that is five processes). "
-        "Lock-step messages, forked readers that copy each tensor into host memory. Per cell: "
+        "Lock-step messages, forked readers that "
+        + (
+            "copy each tensor to GPU 0 (H2D). "
+            if result.get("consume") == "cuda"
+            else "copy each tensor into host memory. "
+        )
+        + "Per cell: "
         "the per-message p50 over the measured messages, then the median over "
         f"{result['repeats']} interleaved repetitions, [min-max] of the repetitions. Messages "
         "per cell (measured after warm-up): "
@@ -422,6 +439,12 @@ def main(argv=None) -> int:
     ap.add_argument("--pixel-sides", type=int, nargs="*", default=ab.PIXEL_SIDES)
     ap.add_argument("--only", nargs="*", help="run only workloads whose name starts so")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument(
+        "--consume",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="what readers do with each tensor: copy into host memory, or H2D to GPU 0",
+    )
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args(argv)
     try:
@@ -455,38 +478,67 @@ def main(argv=None) -> int:
     total = sum(len(w["modes"]) for w in specs) * len(args.tp) * args.repeats
     done = 0
     k = 0
-    for rep in range(args.repeats):
-        for wi, w in enumerate(specs):
-            for tp in args.tp:
-                # Rotate which mode goes first, so no mode always runs after the same one.
-                modes = w["modes"][k % len(w["modes"]) :] + w["modes"][: k % len(w["modes"])]
-                k += 1
-                for mode in modes:
-                    c = ab.run_cell(
-                        mode,
-                        tp,
-                        w["size_mb"],
-                        n_msgs(w),
-                        WARMUP[w["kind"]],
-                        args.seed,
-                        sources=w.get("sources"),
-                        workload=w["name"],
-                        extra=w.get("extra"),
-                    )
-                    c.update({"workload_name": w["name"], "wl_index": wi, "repeat": rep})
-                    # Collect the cell's queue now: readers forked for the next cell would
-                    # inherit it as garbage, and vLLM's ShmTensorArena.__del__ (no fork check)
-                    # unlinks its creator's shm name from whichever process collects it.
-                    gc.collect()
-                    raw.append(c)
-                    loads.append(os.getloadavg()[0])
-                    done += 1
-                    print(
-                        f"[{done}/{total} {time.monotonic() - started:6.0f}s] rep {rep} "
-                        f"{w['name']:>32} TP={tp} {mode:<10} delivery "
-                        f"{c['delivery_ms_p50']:9.3f} ms  consume {c['consume_ms_p50']:9.3f} ms",
-                        flush=True,
-                    )
+    # A timeout's SIGTERM (scripts/gpu_check.sh runs this under one) ends the sweep early and
+    # still writes what was measured, marked as interrupted.
+    interrupted = False
+    stop_requested = False
+    main_pid = os.getpid()
+
+    def _stop(signum, frame):
+        nonlocal stop_requested
+        if os.getpid() != main_pid:
+            # A forked reader (timeout signals the whole process group): die as SIGTERM would.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        stop_requested = True
+        raise _Interrupted()
+
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        for rep in range(args.repeats):
+            for wi, w in enumerate(specs):
+                for tp in args.tp:
+                    # Rotate which mode goes first, so no mode always runs after the same one.
+                    modes = w["modes"][k % len(w["modes"]) :] + w["modes"][: k % len(w["modes"])]
+                    k += 1
+                    for mode in modes:
+                        c = ab.run_cell(
+                            mode,
+                            tp,
+                            w["size_mb"],
+                            n_msgs(w),
+                            WARMUP[w["kind"]],
+                            args.seed,
+                            consume=args.consume,
+                            sources=w.get("sources"),
+                            workload=w["name"],
+                            extra=w.get("extra"),
+                        )
+                        c.update({"workload_name": w["name"], "wl_index": wi, "repeat": rep})
+                        # Collect the cell's queue now: readers forked for the next cell would
+                        # inherit it as garbage, and vLLM's ShmTensorArena.__del__ (no fork check)
+                        # unlinks its creator's shm name from whichever process collects it.
+                        gc.collect()
+                        raw.append(c)
+                        loads.append(os.getloadavg()[0])
+                        done += 1
+                        print(
+                            f"[{done}/{total} {time.monotonic() - started:6.0f}s] rep {rep} "
+                            f"{w['name']:>32} TP={tp} {mode:<10} delivery "
+                            f"{c['delivery_ms_p50']:9.3f} ms  consume "
+                            f"{c['consume_ms_p50']:9.3f} ms",
+                            flush=True,
+                        )
+    except Exception:
+        # _Interrupted, or what the cell's cleanup raised once its readers died of the same
+        # signal (a closed pipe).
+        if not stop_requested:
+            raise
+        interrupted = True
+        print(f"interrupted after {done} of {total} cells; writing those", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     elapsed = time.monotonic() - started
     summary, ratios = summarize(raw)
     multiples: dict = {}
@@ -498,7 +550,9 @@ def main(argv=None) -> int:
     result = {
         **ab.run_record("bench_vs_vllm.py", argv),
         "elapsed_s": elapsed,
+        "interrupted": interrupted,
         "seed": args.seed,
+        "consume": args.consume,
         "repeats": args.repeats,
         "vllm_version": vllm.__version__,
         "machine": ab.machine_info(),

@@ -1,15 +1,43 @@
 #!/usr/bin/env bash
 # The GPU checks, in one go, for a machine with an NVIDIA GPU (e.g. the lent H200: Python 3.12,
-# torch cu130, nvcc, no network; pyzmq comes as a wheel in .whl/). Builds the extension there
-# against that machine's torch, runs the CUDA tests and the GPU benchmarks, and writes
-# everything to $OUT (default benchmarks/results/gpu). Failures are recorded, not fatal.
+# torch cu130, nvcc, no network, no vLLM). Builds the extension there against that machine's
+# torch, runs the CUDA tests and the GPU benchmarks, and writes everything to $OUT (default
+# benchmarks/results/gpu). Failures are recorded, not fatal. What the host lacks travels in
+# .whl/, made here by scripts/gpu_bundle.sh: pyzmq and friends as wheels, and vLLM's queue as
+# its Python files only (vllm-queue-py.tar.gz), for the comparison against vLLM's own queue.
+#
+# Sections, most important first; each gets its own timeout, cut to what is left of BUDGET_S
+# (default 540 s: the device runs one command for at most 10 minutes) and skipped when less
+# than 20 s is left. CONSUME=cpu runs the same script on a machine without a GPU (a dry run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
 PY=${PY:-python3}
+CONSUME=${CONSUME:-cuda}
+BUDGET_S=${BUDGET_S:-540}
+DEADLINE=$(($(date +%s) + BUDGET_S))
 export PYTHONUNBUFFERED=1
 log() { echo "== $*"; }
+# budget WANT: seconds a section may take (WANT, or what is left), 0 when it must be skipped.
+budget() {
+  local left=$((DEADLINE - $(date +%s) - 10))
+  if [ "$left" -lt 20 ]; then echo 0; elif [ "$left" -lt "$1" ]; then echo "$left"; else echo "$1"; fi
+}
+# section NAME WANT CMD...: runs CMD under the budget, or says it was skipped.
+section() {
+  local name=$1 want=$2 t
+  shift 2
+  t=$(budget "$want")
+  if [ "$t" -eq 0 ]; then
+    log "$name: skipped (budget of ${BUDGET_S} s spent)"
+    return 0
+  fi
+  log "$name (timeout ${t} s)"
+  timeout "$t" "$@"
+  local rc=$?
+  [ "$rc" -eq 0 ] || log "$name: rc=$rc"
+}
 
 {
   log "machine"
@@ -21,7 +49,7 @@ log() { echo "== $*"; }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
 log "build"
@@ -29,17 +57,42 @@ start=$(date +%s)
 MAX_JOBS=$(nproc) $PY -m pip install -q --no-build-isolation --no-deps -e . >>"$OUT/build.log" 2>&1
 echo "build rc=$? in $(($(date +%s) - start)) s" | tee -a "$OUT/build.log"
 
-log "cuda tests"
 cmake -S tests/cpp -B build/cpp >/dev/null 2>&1 && cmake --build build/cpp -j"$(nproc)" \
-  --target fakecudart >/dev/null 2>&1
-timeout 120 $PY -m pytest -q -p no:cacheprovider -rs tests/python/test_cuda_gpu.py \
+  --target fakecudart copy_bench >/dev/null 2>&1
+
+section "cuda tests" 90 $PY -m pytest -q -p no:cacheprovider -rs tests/python/test_cuda_gpu.py \
   tests/python/test_cuda_fake.py 2>&1 | tee "$OUT/cuda_tests.txt"
 
-log "gpu_h2d"
-timeout 120 $PY benchmarks/gpu_h2d.py --out "$OUT" 2>&1 | tee "$OUT/gpu_h2d.txt"
+section "gpu_h2d" 60 $PY benchmarks/gpu_h2d.py --out "$OUT" 2>&1 | tee "$OUT/gpu_h2d.txt"
 
-log "broadcast A/B with H2D consumers"
-timeout 240 $PY benchmarks/broadcast_ab.py --consume cuda --tp 1 4 --sizes 8 200 \
-  --modes oob arena --messages 10 --warmup 8 --small-messages 100 --out "$OUT" 2>&1 |
-  grep -v "it/s]" | tee "$OUT/broadcast_ab_cuda.txt"
-log "done"
+section "broadcast A/B with H2D consumers" 120 $PY benchmarks/broadcast_ab.py --consume "$CONSUME" \
+  --tp 1 4 --sizes 8 200 --modes oob arena --messages 10 --warmup 8 --small-messages 100 \
+  --out "$OUT" 2>&1 | grep -v "it/s]" | tee "$OUT/broadcast_ab_cuda.txt"
+
+# Ours vs vLLM's own queue (stock and its arena), readers copying to the GPU, and the
+# tensor-free messages every decode step pays, on this many-core host. vLLM is loaded from its
+# Python files alone; if that does not import here, the error is the result.
+if [ -f .whl/vllm-queue-py.tar.gz ]; then
+  mkdir -p /tmp/vllm_py && tar -C /tmp/vllm_py -xzf .whl/vllm-queue-py.tar.gz
+  export PYTHONPATH=/tmp/vllm_py${PYTHONPATH:+:$PYTHONPATH}
+fi
+if $PY -c "from vllm.distributed.device_communicators.shm_broadcast import MessageQueue" \
+  >"$OUT/vllm_import.txt" 2>&1; then
+  echo "vLLM's MessageQueue imports from its Python files" | tee -a "$OUT/vllm_import.txt"
+  section "vs vLLM's queue" 170 $PY benchmarks/bench_vs_vllm.py --consume "$CONSUME" \
+    --tp 1 4 8 --repeats 1 --only "8 MiB" "200 MiB" burst "pixel_values 1024" scheduler \
+    --out "$OUT/vs_vllm" 2>&1 | grep -v "^\[" | tee "$OUT/vs_vllm.txt"
+else
+  log "vs vLLM's queue: not possible here, vLLM's queue does not import (vllm_import.txt):"
+  tail -n 3 "$OUT/vllm_import.txt"
+fi
+
+# Copy threads and streaming stores where there are CPUs to spare.
+section "copy_bench" 40 ./build/cpp/copy_bench 5 2>&1 | tee "$OUT/copy_bench.txt"
+section "copy threads A/B" 45 $PY benchmarks/broadcast_ab.py --copy-threads-ab 4 --tp 1 4 \
+  --sizes 64 200 --messages 12 --warmup 4 --consume "$CONSUME" --out "$OUT" 2>&1 |
+  tee "$OUT/copy_threads_ab.txt"
+section "streaming stores A/B" 45 $PY benchmarks/broadcast_ab.py --stream-ab --tp 1 4 \
+  --sizes 16 64 200 --messages 12 --warmup 4 --consume "$CONSUME" --out "$OUT" 2>&1 |
+  tee "$OUT/stream_ab.txt"
+log "done in $((BUDGET_S - (DEADLINE - $(date +%s)))) s"
