@@ -133,22 +133,25 @@ def _reader_main(handle, rank, conn, consume_bytes, consume="cpu"):
     mq.shutdown()
 
 
-def _start_readers(mq, tp, consume_bytes, consume="cpu"):
-    # CUDA cannot be used in a forked child of a process that touched it: spawn then.
-    ctx = mp.get_context("spawn" if consume == "cuda" else "fork")
+def start_readers(mq, tp, target, *extra, method="fork"):
+    """``tp`` reader processes running ``target(handle, rank, conn, *extra)``, each with a
+    pipe back; returns ``(conns, procs)`` once the queue is ready."""
+    ctx = mp.get_context(method)
     conns, procs = [], []
     for rank in range(tp):
         parent, child = ctx.Pipe()
-        p = ctx.Process(
-            target=_reader_main,
-            args=(mq.export_handle(), rank, child, consume_bytes, consume),
-            daemon=True,
-        )
+        p = ctx.Process(target=target, args=(mq.export_handle(), rank, child, *extra), daemon=True)
         p.start()
         conns.append(parent)
         procs.append(p)
     mq.wait_until_ready()
     return conns, procs
+
+
+def _start_readers(mq, tp, consume_bytes, consume="cpu"):
+    # CUDA cannot be used in a forked child of a process that touched it: spawn then.
+    method = "spawn" if consume == "cuda" else "fork"
+    return start_readers(mq, tp, _reader_main, consume_bytes, consume, method=method)
 
 
 def _stop_readers(mq, conns, procs):
@@ -547,7 +550,7 @@ def small_message_overhead(tp: int, n: int, seed: int) -> dict:
     queues = {}
     for on in (False, True):
         mq = MessageQueue(tp, tp, enable_shm_tensor_arena=on)
-        queues[on] = (mq, *_start_readers_small(mq, tp))
+        queues[on] = (mq, *start_readers(mq, tp, _small_reader))
     samples = {False: [], True: []}
     for i in range(n):
         for on in (False, True) if i % 2 == 0 else (True, False):
@@ -577,19 +580,6 @@ def _small_reader(handle, rank, conn):
             break
         conn.send(mq.last_dequeue_s)
     mq.shutdown()
-
-
-def _start_readers_small(mq, tp):
-    ctx = mp.get_context("fork")
-    conns, procs = [], []
-    for rank in range(tp):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_small_reader, args=(mq.export_handle(), rank, child), daemon=True)
-        p.start()
-        conns.append(parent)
-        procs.append(p)
-    mq.wait_until_ready()
-    return conns, procs
 
 
 def write_outputs(result: dict, out_dir: str) -> None:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -49,13 +48,16 @@ from contextlib import redirect_stdout
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import broadcast_ab as ab  # noqa: E402  (benchmarks/, for its reader start-up and records)
 
 from vllm_shm_arena import MessageQueue, metrics  # noqa: E402
 from vllm_shm_arena import arena as arena_mod  # noqa: E402
 from vllm_shm_arena import message_queue as mq_mod  # noqa: E402
 from vllm_shm_arena._ext import _C  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = ab.RESULTS
 PIECES = [
     "ring_read",
     "frame_handling",
@@ -252,19 +254,6 @@ def _reader_b(handle, rank, conn):
     mq.shutdown()
 
 
-def _start(mq, tp, target):
-    ctx = mp.get_context("fork")
-    conns, procs = [], []
-    for rank in range(tp):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=target, args=(mq.export_handle(), rank, child), daemon=True)
-        p.start()
-        conns.append(parent)
-        procs.append(p)
-    mq.wait_until_ready()
-    return conns, procs
-
-
 def _med(xs):
     return statistics.median(xs) if xs else 0.0
 
@@ -278,7 +267,7 @@ def part_a(name, tp, sizes_mb, n_msgs, seed):
     ]
     check = [(int(t[0]), int(t[-1])) for t in sources]
     mq = MessageQueue(tp, tp, enable_shm_tensor_arena=True)
-    conns, procs = _start(mq, tp, _reader_a)
+    conns, procs = ab.start_readers(mq, tp, _reader_a)
     inst, plain = [], []
     try:
         for i in range(n_msgs):
@@ -345,7 +334,7 @@ def part_b(tp, n_msgs, pause_s, fill_threads=None, size_mb=200):
     producer fills the loan before each send (``fill_threads``: torch threads for it; None:
     torch's default), then waits ``pause_s``."""
     mq = MessageQueue(tp, tp, enable_shm_tensor_arena=True)
-    conns, procs = _start(mq, tp, _reader_b)
+    conns, procs = ab.start_readers(mq, tp, _reader_b)
     rows = []
     wfd = os.open(f"/proc/{os.getpid()}/schedstat", os.O_RDONLY)
     rfds = [os.open(f"/proc/{p.pid}/schedstat", os.O_RDONLY) for p in procs]
@@ -540,9 +529,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     print(f"seed={args.seed}", flush=True)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import broadcast_ab as ab
-
     loads = [os.getloadavg()[0]]
     cases = []
     for name, tp, sizes, n in (
