@@ -378,9 +378,7 @@ class ShmTensorArena:
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         shape = list(shape)
-        pin = _PIN_ENABLED and _cuda_context()
-        if pin:
-            self._may_gate = True
+        pin = self._pin_next()
         return r.get_tensor(
             int(slot_idx),
             int(generation or 0),
@@ -390,6 +388,14 @@ class ShmTensorArena:
             pin,
             int(offset),
         )
+
+    def _pin_next(self) -> bool:
+        """Whether the tensor handed out next is pinned (pinning on, and a CUDA context in this
+        process); once one is, releases go through the CUDA-event gate."""
+        pin = _PIN_ENABLED and _cuda_context()
+        if pin:
+            self._may_gate = True
+        return pin
 
     def flush_releases(self, stream=None) -> int:
         """Releases slots whose tensors died and whose H2D (if pinned) has completed.
@@ -471,10 +477,7 @@ def _rebuild_arena_tensor(arena_name, slot_idx, generation, nbytes, dtype_str, s
     ``rebuild`` (C++) checks each one (``ValueError``/``IndexError`` naming it) before use."""
     arena = _lookup(arena_name)
     r = arena._require_reader()
-    pin = _PIN_ENABLED and (_cuda_seen or _cuda_context())
-    if pin:
-        arena._may_gate = True
-    return r.rebuild(slot_idx, generation, nbytes, dtype_str, shape, offset, pin)
+    return r.rebuild(slot_idx, generation, nbytes, dtype_str, shape, offset, arena._pin_next())
 
 
 def _rebuild_arena_parameter(arena_name, slot_idx, generation, nbytes, dtype_str, shape, offset=0):
