@@ -410,15 +410,7 @@ TEST_CASE("a reader killed while holding records does not leak them", "[arena][f
       ::close(fds[0]);
       ::close(fds[1]);
       CHECK_FALSE(sut->write(&v, 1).has_value());  // held by the live child
-      ::kill(pid, SIGKILL);
-      if (reap) {
-        REQUIRE(vsa_test::wait_child(pid) != -1);
-      } else {
-        // Wait until the child is a zombie, without reaping it.
-        siginfo_t info;
-        std::memset(&info, 0, sizeof(info));
-        REQUIRE(::waitid(P_PID, pid, &info, WEXITED | WNOWAIT) == 0);
-      }
+      REQUIRE(vsa_test::kill_child(pid, reap));    // reaped, or left a zombie
       std::optional<Allocation> b;
       for (int i = 0; i < 100 && !b; ++i) {
         b = sut->write(&v, 1);
@@ -791,6 +783,15 @@ ArenaConfig one_slot(const std::string& dir) {
   return cfg;
 }
 
+// The byte the holding tests publish and attach_and_hold checks.
+constexpr uint8_t kHeldByte = 7;
+
+// Publishes kHeldByte in the writer's (one) slot: what the holding tests' readers hold.
+std::optional<Allocation> write_held_byte(ArenaWriter& w) {
+  uint8_t v = kHeldByte;
+  return w.write(&v, 1);
+}
+
 // Tries a write for about `ms` milliseconds (liveness is probed at most once a millisecond).
 std::optional<Allocation> write_within(ArenaWriter& w, int ms) {
   uint8_t v = 9;
@@ -809,7 +810,7 @@ bool attach_and_hold(const std::string& name, const std::string& dir, const Allo
   try {
     auto r = ArenaReader::attach(name, 0, dir);
     const uint8_t* p = r->acquire(a.record, a.generation, a.nbytes);
-    if (a.nbytes > 0 && *p != 7) return false;
+    if (a.nbytes > 0 && *p != kHeldByte) return false;
     *out = r;
     return ::write(ready_fd, "h", 1) == 1;
   } catch (...) {
@@ -882,8 +883,7 @@ TEST_CASE("a writer out of file descriptors never declares a live reader dead",
   pid_t w = ::fork();
   if (w == 0) {
     auto sut = ArenaWriter::create(one_slot(dir.path()));
-    uint8_t v = 7;
-    auto a = sut->write(&v, 1);
+    auto a = write_held_byte(*sut);
     if (!a) ::_exit(2);
     pid_t r = spawn_holder(sut->name(), dir.path(), *a);
     if (r < 0) ::_exit(4);
@@ -908,8 +908,7 @@ TEST_CASE("a writer out of file descriptors never declares a live reader dead",
 TEST_CASE("a reader whose main thread exited keeps its records", "[arena][liveness]") {
   vsa_test::TempDir dir;
   auto sut = ArenaWriter::create(one_slot(dir.path()));
-  uint8_t v = 7;
-  auto a = sut->write(&v, 1);
+  auto a = write_held_byte(*sut);
   REQUIRE(a);
   int p[2];
   REQUIRE(::pipe(p) == 0);
@@ -946,8 +945,7 @@ TEST_CASE("readers in another pid namespace: alive while they live, reclaimed on
     DYNAMIC_SECTION((own_proc ? "reader with its own /proc" : "reader with the host's /proc")) {
       vsa_test::TempDir dir;
       auto sut = ArenaWriter::create(one_slot(dir.path()));
-      uint8_t v = 7;
-      auto a = sut->write(&v, 1);
+      auto a = write_held_byte(*sut);
       REQUIRE(a);
       int p[2];
       REQUIRE(::pipe(p) == 0);
@@ -986,8 +984,7 @@ TEST_CASE("without /proc readers stay alive and a second writer is refused",
     if (::umount2("/proc", MNT_DETACH) != 0) ::_exit(77);
     if (::access("/proc/self/stat", F_OK) == 0) ::_exit(77);
     auto sut = ArenaWriter::create(one_slot(dir.path()));
-    uint8_t v = 7;
-    auto a = sut->write(&v, 1);
+    auto a = write_held_byte(*sut);
     if (!a) ::_exit(2);
     pid_t r = spawn_holder(sut->name(), dir.path(), *a);
     if (r < 0) ::_exit(4);

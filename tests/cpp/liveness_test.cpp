@@ -99,14 +99,7 @@ TEST_CASE("a killed holder is dead, reaped or not", "[liveness][faults]") {
       REQUIRE(wait_ready(p[0]));
       ::close(p[0]);
       CHECK(probe_token(f.probe_fd, 7) == Liveness::kAlive);
-      ::kill(pid, SIGKILL);
-      if (reap) {
-        REQUIRE(vsa_test::wait_child(pid) != -1);
-      } else {
-        siginfo_t info;
-        std::memset(&info, 0, sizeof(info));
-        REQUIRE(::waitid(P_PID, pid, &info, WEXITED | WNOWAIT) == 0);
-      }
+      REQUIRE(vsa_test::kill_child(pid, reap));  // reaped, or left a zombie
       CHECK(probe_token(f.probe_fd, 7) == Liveness::kDead);
       if (!reap) vsa_test::wait_child(pid);
     }

@@ -40,6 +40,14 @@ using Status = RingReader::Status;
 constexpr int64_t kMs = 1000 * 1000;
 constexpr int64_t kLongNs = 10000 * kMs;  // Generous: only reached when something is broken.
 
+RingConfig ring_config(uint32_t n_readers, uint32_t max_chunks, uint64_t max_chunk_bytes) {
+  RingConfig config;
+  config.n_readers = n_readers;
+  config.max_chunks = max_chunks;
+  config.max_chunk_bytes = max_chunk_bytes;
+  return config;
+}
+
 int64_t elapsed_ms(Clock::time_point since) {
   return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - since).count();
 }
@@ -284,10 +292,7 @@ TEST_CASE("ring delivers 10,000 random-size messages in order to forked readers"
   const uint64_t seed = seed_for_test();
   INFO("seed=" << seed << " n_readers=" << n_readers);
   constexpr uint64_t kMessages = 10000;
-  RingConfig config;
-  config.n_readers = n_readers;
-  config.max_chunks = 8;
-  config.max_chunk_bytes = 4096;
+  RingConfig config = ring_config(n_readers, 8, 4096);
   SharedRing shm(config);
   Children children;
   std::vector<pid_t> pids;
@@ -317,10 +322,7 @@ TEST_CASE("ring delivers in order to reader threads of one process", "[ring][thr
   INFO("seed=" << seed << " max_chunks=" << max_chunks);
   constexpr uint32_t kReaders = 3;
   constexpr uint64_t kMessages = 3000;
-  RingConfig config;
-  config.n_readers = kReaders;
-  config.max_chunks = max_chunks;
-  config.max_chunk_bytes = 512;
+  RingConfig config = ring_config(kReaders, max_chunks, 512);
   SharedRing shm(config);
   RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
   std::vector<std::string> errors(kReaders);
@@ -348,10 +350,7 @@ TEST_CASE("ring delivers in order to reader threads of one process", "[ring][thr
 }
 
 TEST_CASE("ring writer blocks while every chunk is unread and times out cleanly", "[ring]") {
-  RingConfig config;
-  config.n_readers = 1;
-  config.max_chunks = 4;
-  config.max_chunk_bytes = 64;
+  RingConfig config = ring_config(1, 4, 64);
   SharedRing shm(config);
   RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
   RingReader reader(shm.base(), shm.bytes(), 0, shm.tokens());
@@ -381,10 +380,7 @@ TEST_CASE("ring writer blocks while every chunk is unread and times out cleanly"
 }
 
 TEST_CASE("ring writer blocked on a full ring is woken by a release in another process", "[ring]") {
-  RingConfig config;
-  config.n_readers = 1;
-  config.max_chunks = 2;
-  config.max_chunk_bytes = 64;
+  RingConfig config = ring_config(1, 2, 64);
   SharedRing shm(config);
   RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
   Children children;
@@ -415,10 +411,7 @@ TEST_CASE("ring writer blocked on a full ring is woken by a release in another p
 }
 
 TEST_CASE("ring writer waits for a reader that never attached", "[ring]") {
-  RingConfig config;
-  config.n_readers = 2;
-  config.max_chunks = 2;
-  config.max_chunk_bytes = 64;
+  RingConfig config = ring_config(2, 2, 64);
   SharedRing shm(config);
   RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
   RingReader reader0(shm.base(), shm.bytes(), 0, shm.tokens());
@@ -444,10 +437,7 @@ TEST_CASE("ring writer waits for a reader that never attached", "[ring]") {
 }
 
 TEST_CASE("ring writer stops waiting for a reader that detached", "[ring]") {
-  RingConfig config;
-  config.n_readers = 2;
-  config.max_chunks = 2;
-  config.max_chunk_bytes = 64;
+  RingConfig config = ring_config(2, 2, 64);
   SharedRing shm(config);
   RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
   RingReader reader0(shm.base(), shm.bytes(), 0, shm.tokens());
@@ -467,10 +457,7 @@ TEST_CASE("ring writer stops waiting for a reader that detached", "[ring]") {
 }
 
 TEST_CASE("ring reader times out on an empty ring", "[ring]") {
-  RingConfig config;
-  config.n_readers = 1;
-  config.max_chunks = 4;
-  config.max_chunk_bytes = 64;
+  RingConfig config = ring_config(1, 4, 64);
   SharedRing shm(config);
   RingReader sut(shm.base(), shm.bytes(), 0, shm.tokens());
   const uint8_t* data = nullptr;
@@ -498,10 +485,7 @@ TEST_CASE("ring reader times out on an empty ring", "[ring]") {
 }
 
 TEST_CASE("ring shutdown wakes a reader blocked in another process", "[ring]") {
-  RingConfig config;
-  config.n_readers = 1;
-  config.max_chunks = 4;
-  config.max_chunk_bytes = 64;
+  RingConfig config = ring_config(1, 4, 64);
   SharedRing shm(config);
   RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
   Children children;
@@ -526,10 +510,7 @@ TEST_CASE("ring shutdown wakes a reader blocked in another process", "[ring]") {
 }
 
 TEST_CASE("ring shutdown delivers messages already published, then kShutdown", "[ring]") {
-  RingConfig config;
-  config.n_readers = 1;
-  config.max_chunks = 4;
-  config.max_chunk_bytes = 64;
+  RingConfig config = ring_config(1, 4, 64);
   SharedRing shm(config);
   RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
   RingReader reader(shm.base(), shm.bytes(), 0, shm.tokens());
@@ -555,10 +536,7 @@ TEST_CASE("ring writer drops a SIGKILLed reader and carries on", "[ring]") {
   // exists (state Z) and only the identity check can tell it is dead.
   const bool reap = GENERATE(true, false);
   INFO((reap ? "reaped" : "zombie"));
-  RingConfig config;
-  config.n_readers = 2;
-  config.max_chunks = 4;
-  config.max_chunk_bytes = 64;
+  RingConfig config = ring_config(2, 4, 64);
   SharedRing shm(config);
   RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
   RingReader reader0(shm.base(), shm.bytes(), 0, shm.tokens());
@@ -621,10 +599,7 @@ TEST_CASE("ring writer drops a SIGKILLed reader and carries on", "[ring]") {
 }
 
 TEST_CASE("ring rank and writer role are exclusive", "[ring]") {
-  RingConfig config;
-  config.n_readers = 2;
-  config.max_chunks = 4;
-  config.max_chunk_bytes = 64;
+  RingConfig config = ring_config(2, 4, 64);
   SharedRing shm(config);
   auto sut = std::make_unique<RingReader>(shm.base(), shm.bytes(), 0, shm.tokens());
 
@@ -687,10 +662,7 @@ TEST_CASE("ring rank and writer role are exclusive", "[ring]") {
 }
 
 TEST_CASE("ring misuse is reported, not crashed on", "[ring]") {
-  RingConfig config;
-  config.n_readers = 1;
-  config.max_chunks = 2;
-  config.max_chunk_bytes = 64;
+  RingConfig config = ring_config(1, 2, 64);
   SharedRing shm(config);
   RingWriter sut(shm.base(), shm.bytes(), shm.tokens());
   RingReader reader(shm.base(), shm.bytes(), 0, shm.tokens());
@@ -713,10 +685,7 @@ TEST_CASE("ring misuse is reported, not crashed on", "[ring]") {
 }
 
 TEST_CASE("ring_validate rejects garbage and too-small blocks", "[ring]") {
-  RingConfig config;
-  config.n_readers = 2;
-  config.max_chunks = 4;
-  config.max_chunk_bytes = 100;
+  RingConfig config = ring_config(2, 4, 100);
   SharedRing shm(config);
 
   const RingConfig got = ring_validate(shm.base(), shm.bytes());
@@ -799,10 +768,7 @@ TEST_CASE("ring_bytes and ring_init reject bad shapes", "[ring]") {
 }
 
 TEST_CASE("ring reader gets a typed error for a corrupted chunk length", "[ring][faults]") {
-  RingConfig config;
-  config.n_readers = 1;
-  config.max_chunks = 2;
-  config.max_chunk_bytes = 64;
+  RingConfig config = ring_config(1, 2, 64);
   SharedRing shm(config);
   RingWriter writer(shm.base(), shm.bytes(), shm.tokens());
   RingReader sut(shm.base(), shm.bytes(), 0, shm.tokens());
@@ -819,10 +785,7 @@ TEST_CASE("ring reader gets a typed error for a corrupted chunk length", "[ring]
 }
 
 TEST_CASE("ring reader notices a dead writer", "[ring][liveness]") {
-  RingConfig config;
-  config.n_readers = 1;
-  config.max_chunks = 4;
-  config.max_chunk_bytes = 64;
+  RingConfig config = ring_config(1, 4, 64);
   SharedRing shm(config);
   RingReader sut(shm.base(), shm.bytes(), 0, shm.tokens());
   const uint8_t* data = nullptr;

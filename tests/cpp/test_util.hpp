@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <thread>
@@ -41,6 +42,16 @@ inline int wait_child(pid_t pid, double timeout_s = 30.0) {
   ::kill(pid, SIGKILL);
   ::waitpid(pid, &status, 0);
   return -1;
+}
+
+/// SIGKILLs `pid`, then reaps it (`reap`) or waits until it is a zombie without reaping it
+/// (the caller reaps it later with wait_child). False if that wait failed.
+inline bool kill_child(pid_t pid, bool reap) {
+  ::kill(pid, SIGKILL);
+  if (reap) return wait_child(pid) != -1;
+  siginfo_t info;
+  std::memset(&info, 0, sizeof(info));
+  return ::waitid(P_PID, pid, &info, WEXITED | WNOWAIT) == 0;
 }
 
 /// True if a child's wait status says it exited with code 0.

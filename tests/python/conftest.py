@@ -190,6 +190,16 @@ def arena(make_arena) -> Arena:
     return make_arena()
 
 
+@pytest.fixture
+def writers():
+    """``writers(mq)`` registers a queue end to shut down at teardown (which also unlinks its
+    shared-memory names)."""
+    made = []
+    yield made.append
+    for mq in made:
+        mq.shutdown()
+
+
 @pytest.fixture(params=["c", "py"], ids=["c_reducer", "py_reducer"])
 def reducer(request, monkeypatch) -> str:
     """Runs the test with each ``_ArenaPickler`` reducer (read at pickler construction)."""

@@ -48,15 +48,6 @@ def kids():
 
 
 @pytest.fixture
-def writers():
-    """``writers(mq)`` registers a queue to shut down at teardown (also unlinks its names)."""
-    made = []
-    yield made.append
-    for mq in made:
-        mq.shutdown()
-
-
-@pytest.fixture
 def geometry(monkeypatch):
     """``geometry(num_slots, slot_mb)``: the arena shape of writers made afterwards in this
     process (readers take it from the handle). The env variables only act at import."""

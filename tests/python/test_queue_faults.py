@@ -44,15 +44,6 @@ def shm_dir(monkeypatch):
         shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture
-def writers():
-    """``writers(mq)`` registers a queue end to shut down at teardown."""
-    made = []
-    yield made.append
-    for mq in made:
-        mq.shutdown()
-
-
 # ------------------------------------------------------------------------ 1. interpreter exit
 _EXIT_WITH_BLOCKED_THREADS = """
 import sys, threading, time
