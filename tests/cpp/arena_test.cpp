@@ -1061,11 +1061,7 @@ TEST_CASE("tables are reserved at creation: a full tmpfs never raises SIGBUS", "
     return;
   }
   // Tables span many pages: 1024 records x 64 B, 4 readers' release blocks of 8 KiB.
-  ArenaConfig cfg;
-  cfg.policy = PolicyKind::kVariable;
-  cfg.n_readers = 4;
-  cfg.arena_bytes = 8 << 20;
-  cfg.max_records = 1024;
+  ArenaConfig cfg = variable_config(4, 8 << 20, 1024);
   cfg.dir = small.path();
   auto sut = ArenaWriter::create(cfg);
   {
@@ -1176,11 +1172,7 @@ TEST_CASE("a takeover over corrupted records stays inside the mapping", "[arena]
   REQUIRE(::pipe(p) == 0);
   pid_t old_writer = ::fork();
   if (old_writer == 0) {
-    ArenaConfig cfg;
-    cfg.policy = PolicyKind::kVariable;
-    cfg.n_readers = 1;
-    cfg.arena_bytes = 1 << 20;
-    cfg.max_records = 8;
+    ArenaConfig cfg = variable_config(1, 1 << 20, 8);
     cfg.dir = dir.path();
     auto w = ArenaWriter::create(cfg);
     uint8_t v = 1;
