@@ -1169,7 +1169,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                       shared ? CopyTarget::kShared : CopyTarget::kLocal);
       },
       py::arg("dst"), py::arg("src"), py::arg("shared") = false);
-  // Streaming stores for copies into shared memory of at least n bytes (0: never).
+  // Copies into shared memory stream once a message has written n bytes (0: never).
   m.def("set_stream_min_bytes", &set_stream_min_bytes, py::arg("n"));
   m.def("stream_min_bytes", &stream_min_bytes);
   m.def("stream_copy_supported", &stream_copy_supported);
