@@ -205,6 +205,8 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
   std::string name() const { return writer_->name(); }
   std::string dir() const { return writer_->region()->dir(); }
   uint64_t max_allocation() const { return writer_->max_allocation(); }
+  /// The core writer (for the message framing below, which packs into an allocation).
+  ArenaWriter& core() { return *writer_; }
   uint32_t n_readers() const { return writer_->n_readers(); }
   void unlink() { writer_->unlink(); }
 
@@ -384,6 +386,9 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
     });
   }
 
+  /// The core reader (for the message framing below, which copies out of an allocation).
+  ArenaReader& core() { return *reader_; }
+
   void release_unacquired(uint32_t slot, uint64_t generation) {
     reader_->release_unacquired(slot, generation);
   }
@@ -485,10 +490,62 @@ namespace {
 
 constexpr int64_t kNsPerSec = 1000000000;
 
-uint64_t packed_size(const std::vector<std::pair<const uint8_t*, uint64_t>>& frames) {
+using FrameSpans = std::vector<std::pair<const uint8_t*, uint64_t>>;
+
+uint64_t packed_size(const FrameSpans& frames) {
   uint64_t n = sizeof(uint32_t) + frames.size() * sizeof(uint64_t);
   for (const auto& f : frames) n += f.second;
   return n;
+}
+
+/// Packs `frames` into `dst` (packed_size(frames) bytes of backed shared memory). Needs no GIL.
+void pack_frames(uint8_t* dst, const FrameSpans& frames) {
+  uint8_t* p = dst;
+  uint32_t count = static_cast<uint32_t>(frames.size());
+  std::memcpy(p, &count, sizeof(count));
+  p += sizeof(count);
+  for (const auto& f : frames) {
+    std::memcpy(p, &f.second, sizeof(uint64_t));
+    p += sizeof(uint64_t);
+  }
+  for (const auto& f : frames) {
+    if (f.second > 0) parallel_copy(p, f.first, f.second, CopyTarget::kShared);
+    p += f.second;
+  }
+}
+
+/// Copies the frames packed in [data, data + nbytes) out into bytearrays the caller owns for
+/// good. The bytes are shared memory another process may rewrite at any time: the count and
+/// each length are read once into private memory and checked against what is left before use.
+/// An empty payload is a message without frames. Called with the GIL held.
+py::list unpack_frames(const uint8_t* data, uint64_t nbytes) {
+  py::list frames;
+  if (nbytes == 0) return frames;
+  uint32_t count = 0;
+  if (nbytes < sizeof(count)) throw InvalidArgument("packed message too short");
+  std::memcpy(&count, data, sizeof(count));
+  uint64_t head = sizeof(count) + uint64_t{count} * sizeof(uint64_t);
+  if (head > nbytes) throw InvalidArgument("packed message header is corrupt");
+  const uint8_t* lens = data + sizeof(count);
+  const uint8_t* p = data + head;
+  uint64_t left = nbytes - head;
+  for (uint32_t i = 0; i < count; ++i) {
+    uint64_t len;
+    std::memcpy(&len, lens + i * sizeof(uint64_t), sizeof(len));
+    if (len > left) throw InvalidArgument("packed message frame overruns the message");
+    PyObject* ba = PyByteArray_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(len));
+    if (ba == nullptr) throw py::error_already_set();
+    py::object owned = py::reinterpret_steal<py::object>(ba);
+    if (len > 0) {
+      char* dst = PyByteArray_AS_STRING(ba);
+      py::gil_scoped_release nogil;
+      parallel_copy(dst, p, len);
+    }
+    frames.append(owned);
+    p += len;
+    left -= len;
+  }
+  return frames;
 }
 
 }  // namespace
@@ -528,6 +585,56 @@ class FrameViews {
  private:
   std::vector<Py_buffer> views_;
 };
+
+/// The (pointer, length) of each of `frames`, whose buffers `views` holds.
+FrameSpans frame_spans(const py::list& frames, FrameViews& views) {
+  FrameSpans spans;
+  spans.reserve(frames.size());
+  for (size_t i = 0; i < frames.size(); ++i) {
+    const Py_buffer& v = views.add(frames[i], i);
+    spans.emplace_back(static_cast<const uint8_t*>(v.buf), static_cast<uint64_t>(v.len));
+  }
+  return spans;
+}
+
+/// Packs a message too big for a ring chunk into one arena allocation (the "blob" an
+/// overflow marker names) -> (slot, generation, nbytes), or None when the arena declines or
+/// the message is larger than `max_bytes`. Published when this returns: readers copy it out
+/// with arena_read_frames and release it at once.
+std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> arena_write_frames(
+    TensorArenaWriter& self, const py::list& frames, uint64_t max_bytes) {
+  FrameViews views(frames.size());
+  FrameSpans spans = frame_spans(frames, views);
+  uint64_t total = packed_size(spans);
+  if (total > max_bytes) return std::nullopt;
+  py::gil_scoped_release nogil;
+  std::optional<Allocation> a = self.core().allocate(total);
+  if (!a) return std::nullopt;
+  pack_frames(a->data, spans);
+  self.core().publish(*a);
+  return std::make_tuple(a->record, a->generation, total);
+}
+
+/// A blob's frames, copied out (see arena_write_frames); the allocation is released before
+/// this returns, also when its framing is corrupt.
+py::list arena_read_frames(TensorArenaReader& self, uint32_t slot, uint64_t generation,
+                           uint64_t nbytes) {
+  ArenaReader& r = self.core();
+  if (slot >= r.max_records()) {
+    throw OutOfRange("blob slot " + std::to_string(slot) + " out of range [0, " +
+                     std::to_string(r.max_records()) + ")");
+  }
+  const uint8_t* p = r.acquire(slot, generation, nbytes, 0);
+  py::list frames;
+  try {
+    frames = unpack_frames(p, nbytes);
+  } catch (...) {
+    r.release(slot, generation);
+    throw;
+  }
+  r.release(slot, generation);
+  return frames;
+}
 
 /// Writer end of a ring in its own shm region.
 class MessageRingWriter {
@@ -582,11 +689,7 @@ class MessageRingWriter {
     require_owner("write");
     // Declared before `nogil` below: the views are released with the GIL held again.
     FrameViews views(frames.size());
-    std::vector<std::pair<const uint8_t*, uint64_t>> spans;
-    for (size_t i = 0; i < frames.size(); ++i) {
-      const Py_buffer& v = views.add(frames[i], i);
-      spans.emplace_back(static_cast<const uint8_t*>(v.buf), static_cast<uint64_t>(v.len));
-    }
+    FrameSpans spans = frame_spans(frames, views);
     uint64_t total = packed_size(spans);
     if (total > writer_->config().max_chunk_bytes) {
       throw InvalidArgument("message of " + std::to_string(total) +
@@ -594,7 +697,7 @@ class MessageRingWriter {
                             std::to_string(writer_->config().max_chunk_bytes));
     }
     py::gil_scoped_release nogil;
-    uint8_t* chunk = writer_->acquire(timeout_ns(timeout_s));
+    uint8_t* chunk = take_chunk(timeout_s);
     if (chunk == nullptr) return "timeout";
     // Back the chunk's pages before the first store into them: a full /dev/shm then means
     // "send it over the socket", not SIGBUS.
@@ -607,18 +710,7 @@ class MessageRingWriter {
       }
       reserved_[idx] = total;
     }
-    uint8_t* p = chunk;
-    uint32_t count = static_cast<uint32_t>(spans.size());
-    std::memcpy(p, &count, sizeof(count));
-    p += sizeof(count);
-    for (const auto& f : spans) {
-      std::memcpy(p, &f.second, sizeof(uint64_t));
-      p += sizeof(uint64_t);
-    }
-    for (const auto& f : spans) {
-      if (f.second > 0) parallel_copy(p, f.first, f.second, CopyTarget::kShared);
-      p += f.second;
-    }
+    pack_frames(chunk, spans);
     writer_->publish(total, flags);
     return "ok";
   }
@@ -627,9 +719,21 @@ class MessageRingWriter {
   bool write_marker(uint32_t flags, double timeout_s) {
     require_owner("write_marker");
     py::gil_scoped_release nogil;
-    if (writer_->acquire(timeout_ns(timeout_s)) == nullptr) return false;
+    if (take_chunk(timeout_s) == nullptr) return false;
     writer_->publish(0, flags);
     return true;
+  }
+
+  /// Waits up to `timeout_s` for the next chunk to be free and keeps it for the next write or
+  /// write_marker, which then never waits: the queue takes the ring's back-pressure before
+  /// anything of a message is committed anywhere. True once a chunk is held (also when one
+  /// already was).
+  bool reserve(double timeout_s) {
+    require_owner("reserve");
+    if (reserved_chunk_ != nullptr) return true;
+    py::gil_scoped_release nogil;
+    reserved_chunk_ = writer_->acquire(timeout_ns(timeout_s));
+    return reserved_chunk_ != nullptr;
   }
 
   void shutdown() {
@@ -648,6 +752,8 @@ class MessageRingWriter {
 
   /// Flag the writer sets on a marker whose chunk could not be backed (message on socket).
   static constexpr uint32_t kNoSpaceFlag = 1u << 1;
+  /// Flag the queue sets on a marker naming an arena blob that holds the message.
+  static constexpr uint32_t kBlobFlag = 1u << 2;
 
  private:
   static int64_t timeout_ns(double s) {
@@ -661,7 +767,15 @@ class MessageRingWriter {
                             "; a forked child cannot use its parent's queue");
     }
   }
+  /// The reserved chunk, or a newly acquired one (waiting up to `timeout_s`); nullptr on timeout.
+  uint8_t* take_chunk(double timeout_s) {
+    uint8_t* chunk = reserved_chunk_;
+    reserved_chunk_ = nullptr;
+    return chunk != nullptr ? chunk : writer_->acquire(timeout_ns(timeout_s));
+  }
+
   pid_t owner_pid_ = ::getpid();
+  uint8_t* reserved_chunk_ = nullptr;  // acquired by reserve(), not yet published
   std::shared_ptr<ShmRegion> region_;
   std::unique_ptr<RingWriter> writer_;
   std::vector<uint64_t> reserved_;  // bytes of each chunk already backed by fallocate
@@ -698,32 +812,7 @@ class MessageRingReader {
     }
     py::list frames;
     try {
-      if (nbytes > 0) {
-        uint32_t count = 0;
-        if (nbytes < sizeof(count)) throw InvalidArgument("ring chunk too short");
-        std::memcpy(&count, data, sizeof(count));
-        uint64_t head = sizeof(count) + uint64_t{count} * sizeof(uint64_t);
-        if (head > nbytes) throw InvalidArgument("ring chunk header is corrupt");
-        const uint8_t* lens = data + sizeof(count);
-        const uint8_t* p = data + head;
-        uint64_t left = nbytes - head;
-        for (uint32_t i = 0; i < count; ++i) {
-          uint64_t len;
-          std::memcpy(&len, lens + i * sizeof(uint64_t), sizeof(len));
-          if (len > left) throw InvalidArgument("ring chunk frame overruns the chunk");
-          PyObject* ba = PyByteArray_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(len));
-          if (ba == nullptr) throw py::error_already_set();
-          py::object owned = py::reinterpret_steal<py::object>(ba);
-          if (len > 0) {
-            char* dst = PyByteArray_AS_STRING(ba);
-            py::gil_scoped_release nogil;
-            parallel_copy(dst, p, len);
-          }
-          frames.append(owned);
-          p += len;
-          left -= len;
-        }
-      }
+      frames = unpack_frames(data, nbytes);
     } catch (...) {
       reader_->release();
       throw;
@@ -1057,6 +1146,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("write_tensor", &TensorArenaWriter::write_tensor, py::arg("tensor"),
            py::call_guard<py::gil_scoped_release>())
       // Gives back an allocation whose stub never left this process.
+      // Packs a message's frames into one allocation (a blob) -> (slot, generation, nbytes) or
+      // None (declined, or over max_bytes); published on return.
+      .def("write_frames", &arena_write_frames, py::arg("frames"), py::arg("max_bytes"))
       .def("abort", &TensorArenaWriter::abort, py::arg("slot"), py::arg("generation"))
       // Counts a decline decided in Python, by stats() key.
       .def("count_decline",
@@ -1098,6 +1190,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("flush_releases", &TensorArenaReader::flush_releases, py::arg("stream") = 0,
            py::call_guard<py::gil_scoped_release>())
       // Releases a slot named in a message this reader failed to unpickle.
+      // A blob's frames copied out as bytearrays; the allocation is released on return.
+      .def("read_frames", &arena_read_frames, py::arg("slot"), py::arg("generation"),
+           py::arg("nbytes"))
       .def("release_unacquired", &TensorArenaReader::release_unacquired, py::arg("slot"),
            py::arg("generation"))
       // held, pinned_bytes, pending_releases, pin statistics.
@@ -1124,6 +1219,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("timeout_s"))
       // Publishes an empty chunk carrying only flags (message on the socket).
       .def("write_marker", &MessageRingWriter::write_marker, py::arg("flags"), py::arg("timeout_s"))
+      // Waits for the next chunk and holds it for the next write (True), or times out (False).
+      .def("reserve", &MessageRingWriter::reserve, py::arg("timeout_s"))
       // Bytes a message with these frame sizes takes in a chunk.
       .def_static("packed_bytes", &MessageRingWriter::packed_bytes)
       // Wakes every blocked reader, which then sees "shutdown".
@@ -1137,6 +1234,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("dir", &MessageRingWriter::dir);
   m.attr("RING_FLAG_OVERFLOW") = kRingFlagOverflow;
   m.attr("RING_FLAG_NO_SPACE") = MessageRingWriter::kNoSpaceFlag;
+  // With RING_FLAG_OVERFLOW: the message is an arena blob the marker's frames name (not on
+  // the socket).
+  m.attr("RING_FLAG_BLOB") = MessageRingWriter::kBlobFlag;
 
   py::class_<MessageRingReader, std::shared_ptr<MessageRingReader>>(m, "RingReader")
       // Attaches reader `rank` of ring `name`.

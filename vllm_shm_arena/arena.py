@@ -355,6 +355,11 @@ class ShmTensorArena:
     # ----------------------------------------------------------------- reader
     def _require_reader(self):
         if self._reader is None:
+            if self._closed and self._writer is None:
+                raise RuntimeError(
+                    f"arena {self.name} is closed (its queue was shut down): stubs naming it "
+                    "can no longer be resolved"
+                )
             raise RuntimeError("this ShmTensorArena is the writer; attach() a reader to read")
         return self._reader
 
@@ -429,6 +434,8 @@ class ShmTensorArena:
             s = self._writer.stats()
             s["holdings"] = self._writer.holdings()
             return s
+        if self._reader is None:  # closed: the totals at close
+            return dict(self._final_stats)
         return self._reader.stats()
 
     def reclaim(self, check_liveness: bool = True) -> int:
@@ -440,8 +447,10 @@ class ShmTensorArena:
         self._require_writer().unlink()
 
     def close(self) -> None:
-        """Writer: unlinks the name. Reader: stops the writer waiting for this rank once its
-        tensors are gone. Tensors already handed out stay valid either way."""
+        """Writer: unlinks the name; writes are refused from now on. Reader: stubs naming it
+        no longer resolve, and the mapping goes (and the writer stops waiting for this rank)
+        once the tensors handed out are gone. Tensors already handed out stay valid either
+        way."""
         with self._lock:
             if self._closed:
                 return
@@ -451,9 +460,15 @@ class ShmTensorArena:
         else:
             if _TENSOR_ARENAS.get(self.name) is self:
                 del _TENSOR_ARENAS[self.name]
+            # Tensors handed out hold the mapping (and its pinning) themselves; without this
+            # reference it goes as soon as the last of them does.
+            self._final_stats = self._reader.stats()
+            self._rank = self._reader.rank
+            self._reader = None
 
     def __repr__(self) -> str:
-        role = "writer" if self.is_writer else f"reader{self._reader.rank}"
+        rank = self._reader.rank if self._reader is not None else getattr(self, "_rank", "?")
+        role = "writer" if self.is_writer else f"reader{rank}"
         return f"ShmTensorArena({role}, name={self.name!r}, {self.layout})"
 
 

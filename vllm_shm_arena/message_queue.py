@@ -39,8 +39,6 @@ logger = logging.getLogger("vllm_shm_arena")
 
 #: How long a blocking wait sleeps in C++ before Python checks for shutdown/timeouts.
 _WAIT_SLICE_S = 0.1
-#: Frames at least this big are sent over ZeroMQ without a copy (and tracked until sent).
-_ZERO_COPY_MIN = 64 << 10
 #: A reader holding slots this long is reported as starving the arena.
 _STARVING_AGE_S = 30.0
 #: Warn about a long wait every this many seconds (vLLM's VLLM_RINGBUFFER_WARNING_INTERVAL).
@@ -70,6 +68,16 @@ _SHUTDOWN_GRACE_S = 2.0
 #: Most ring chunks a reader waiting on the socket takes ahead (to see the ring's shutdown
 #: flag); beyond that it stops peeking, so the ring's back-pressure still holds.
 _MAX_PEEKED = 64
+#: Flags of a ring marker naming an arena blob that holds the whole message.
+_BLOB_FLAGS = _C.RING_FLAG_OVERFLOW | _C.RING_FLAG_BLOB
+#: Blobs may hold at most this share of the arena (a slow reader's backlog of overflow
+#: messages must not starve tensors): 1/_BLOB_SHARE of it, split over the most blobs that can
+#: be in flight at once (one per ring chunk, plus one per reader copying one out).
+_BLOB_SHARE = 4
+#: Most messages a remote reader's socket backlog holds before enqueue waits (and, with a
+#: timeout, raises TimeoutError with nothing sent). The local socket needs no cap: it carries
+#: only overflow messages, each announced by a ring marker, so the ring bounds its backlog.
+_SOCKET_HWM = 64
 #: The writer's last frame on every socket: no message follows. Never a real message, which
 #: has at least two frames (header, pickle).
 _SHUTDOWN_FRAME = b"VSA-SHUTDOWN"
@@ -189,6 +197,13 @@ class WriterDiedError(RuntimeError):
     messages will come. Messages it published before dying were delivered first."""
 
 
+def _connection_lost_error() -> RuntimeError:
+    return RuntimeError(
+        "MessageQueue: this reader's connection to the writer's local socket dropped (it is "
+        "never re-established: the socket's name is gone); recreate the queue"
+    )
+
+
 def _writer_died(what: str) -> WriterDiedError:
     return WriterDiedError(
         f"MessageQueue: the writer process died ({what}); no more messages will come"
@@ -230,19 +245,14 @@ class _Resources:
         self.ctx = ctx
         self.sockets: list = []
         self.ring_writer = None
-        self.socket_dir: str | None = None  # the local socket's 0700 directory
+        self.socket_dir = None  # the local socket's _C.SocketDir (0700, with its token)
 
     def remove_socket_dir(self) -> None:
-        """Unlinks the local socket's path and its directory (idempotent): connected
-        readers keep their connections, nobody can connect any more."""
+        """Removes the local socket's directory, its token and the socket's name (idempotent;
+        connected readers keep their connections)."""
         d, self.socket_dir = self.socket_dir, None
-        if d is None:
-            return
-        for path, rm in ((os.path.join(d, "s"), os.unlink), (d, os.rmdir)):
-            try:
-                rm(path)
-            except FileNotFoundError:
-                pass
+        if d is not None:
+            d.remove()
 
     def release(self) -> None:
         """Closes the sockets (dropping unsent frames: ``shutdown()`` is the path that
@@ -255,6 +265,45 @@ class _Resources:
         self.ctx.term()
         if self.ring_writer is not None:
             self.ring_writer.shutdown()
+
+
+def _report_from_timer(ref: weakref.ref) -> None:
+    """A report a queue owed (see ``MessageQueue._maybe_report``), made from the timer thread
+    under the queue end's lock; skipped if the queue is gone or closed, and left to the next
+    call if that end is busy now (the busy call reports itself)."""
+    q = ref()
+    if q is None:
+        return
+    q._report_timer = None
+    # Threads do not survive fork, but a child could still call this by hand.
+    if os.getpid() != q._pid or q._closed:
+        return
+    if not q._side_lock.acquire(blocking=False):
+        return
+    try:
+        if q._closed:
+            return
+        q._last_report = time.monotonic()
+        q._report()
+    except Exception:  # a report must never take the process down from a timer thread
+        logger.debug("vllm_shm_arena: a timed stats report failed", exc_info=True)
+    finally:
+        q._side_lock.release()
+
+
+class _Sending:
+    """What one enqueue has committed so far, recorded step by step (see ``_settle``)."""
+
+    __slots__ = ("diverted", "n_frames", "fits", "blob", "ring_seq", "sent", "socket_owed")
+
+    def __init__(self, diverted: list, n_frames: int) -> None:
+        self.diverted = diverted
+        self.n_frames = n_frames
+        self.fits = False
+        self.blob: tuple[int, int, int] | None = None  # (slot, generation, nbytes)
+        self.ring_seq: int | None = None  # ring.published() just before the publish
+        self.sent: dict[int, int] = {}  # id(socket) -> frames queued on it
+        self.socket_owed = False  # the ring announced it; the local socket has not taken it
 
 
 def _diverted_header(diverted: list[tuple[int, int]]) -> bytes:
@@ -341,21 +390,18 @@ class MessageQueue:
                 self._ring = _C.RingWriter(n_local_reader, max_chunks, max_chunk_bytes)
                 self._res.ring_writer = self._ring
                 _C.set_copy_readers(n_local_reader)  # the copy pool leaves the readers CPUs
-                self.local_socket = self._xpub()
+                self.local_socket = self._xpub(0)
                 # A path, not an abstract socket (which any uid in the network namespace can
-                # reach): the fresh 0700 directory is the access check, as ZeroMQ has no
-                # portable peer-credential check.
-                # Named after the ring (vsa_sock_<the ring's 128 random bits>), so the stale-name
-                # cleaner removes it together with a crashed writer's ring.
-                sock_dir = os.path.join(
-                    self._ring.dir, "vsa_sock_" + self._ring.name.removeprefix("vsa_ring_")
-                )
-                os.mkdir(sock_dir, 0o700)
-                self._res.socket_dir = sock_dir
-                local_addr = f"ipc://{self._res.socket_dir}/s"
+                # reach), in a fresh 0700 directory of fresh random name: the directory is the
+                # access check, as ZeroMQ has no portable peer-credential check. It stays for
+                # the queue's life (only the socket's name goes once the readers connected),
+                # so its name is never free for another user to take, and its liveness token
+                # tells the stale-name cleaner it is in use.
+                self._res.socket_dir = _C.SocketDir(self._ring.dir)
+                local_addr = f"ipc://{self._res.socket_dir.socket_path}"
                 self.local_socket.bind(local_addr)
             if self.n_remote_reader > 0:
-                self.remote_socket = self._xpub()
+                self.remote_socket = self._xpub(_SOCKET_HWM)
                 port = self.remote_socket.bind_to_random_port(f"tcp://{connect_ip}")
                 remote_addr = f"tcp://{connect_ip}:{port}"
             if enable_shm_tensor_arena:
@@ -369,6 +415,11 @@ class MessageQueue:
                     )
                 else:
                     self.arena = _create_arena(n_local_reader)
+            self._blob_max = 0
+            if self.arena is not None and self.arena.handle().policy == "variable":
+                self._blob_max = (self.arena.slot_bytes // _BLOB_SHARE) // (
+                    max_chunks + n_local_reader
+                )
         except BaseException:
             # Half built: release now, not whenever a reference cycle through the traceback
             # is collected.
@@ -394,6 +445,11 @@ class MessageQueue:
         # Held while a call uses the ZeroMQ sockets, so shutdown() from another thread does not
         # close a socket under it (ZeroMQ sockets are not thread-safe).
         self._io_lock = threading.RLock()
+        self._monitor = None  # local readers: events of the connection to the writer's socket
+        self._lost = False  # that connection dropped (it is never re-established)
+        # Serialises this end's calls (enqueue and wait_until_ready on the writer, dequeue on a
+        # reader) and the timed report: the C++ ring ends are single-threaded.
+        self._side_lock = threading.Lock()
         self._pid = os.getpid()
         self._ctx = zmq.Context()
         self._res = _Resources(self._pid, self._ctx)
@@ -401,7 +457,15 @@ class MessageQueue:
         # Not at exit on its own: the exit hook runs it after waking blocked threads.
         self._finalizer.atexit = False
         self._log = _RateLimitedLog()
-        self._counters = {"messages": 0, "ring_messages": 0, "overflow_messages": 0, "bytes": 0}
+        # overflow_messages: too big for a ring chunk; blob_messages: those of them that went
+        # through the arena (the rest went over the local socket).
+        self._counters = {
+            "messages": 0,
+            "ring_messages": 0,
+            "overflow_messages": 0,
+            "blob_messages": 0,
+            "bytes": 0,
+        }
         self._last_report = 0.0
         self._mismatches = 0
         self._liveness_logged: dict[str, int] = {}  # verdict counts already logged
@@ -410,11 +474,14 @@ class MessageQueue:
         self._peeked: deque = deque()
         _LIVE_QUEUES.add(self)
 
-    def _xpub(self):
+    def _xpub(self, hwm: int):
         s = self._ctx.socket(zmq.XPUB)
         self._res.sockets.append(s)
         s.setsockopt(zmq.XPUB_VERBOSE, 1)
-        s.setsockopt(zmq.SNDHWM, 0)  # never drop a message for a slow subscriber
+        # Never drop a message for a slow subscriber: at the cap a send fails instead (EAGAIN
+        # on a message's first frame), and enqueue waits.
+        s.setsockopt(zmq.XPUB_NODROP, 1)
+        s.setsockopt(zmq.SNDHWM, hwm)
         s.setsockopt(zmq.LINGER, 0)
         return s
 
@@ -465,32 +532,60 @@ class MessageQueue:
                 self._ring = _C.RingReader(name, self.local_reader_rank, shm_dir)
                 # Readers copy ring frames out too: leave the others (and the writer) a CPU.
                 _C.set_copy_readers(self.n_local_reader)
-                self.local_socket = self._sub(handle.local_subscribe_addr)
+                self.local_socket = self._sub(handle.local_subscribe_addr, local=True)
             else:
                 self._is_local_reader = False
                 self._is_remote_reader = True
                 self.local_reader_rank = -1
-                self.remote_socket = self._sub(handle.remote_subscribe_addr)
+                self.remote_socket = self._sub(handle.remote_subscribe_addr, local=False)
         except BaseException:
             self._closed = True
             self._finalizer()  # half built: release now (see __init__)
             raise
         return self
 
-    def _sub(self, addr: str):
+    def _sub(self, addr: str, local: bool):
         s = self._ctx.socket(zmq.SUB)
         self._res.sockets.append(s)
         s.setsockopt(zmq.RCVHWM, 0)
         s.setsockopt(zmq.LINGER, 0)
+        if local:
+            # Never reconnect: once connected the path is unlinked, and a reconnect would reach
+            # whatever listens at that name then. A dropped connection is an error instead
+            # (seen through the monitor below).
+            s.setsockopt(zmq.RECONNECT_IVL, -1)
+            mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+            self._res.sockets.append(mon)
+            self._monitor = mon
         s.setsockopt_string(zmq.SUBSCRIBE, "")
         s.connect(addr)
         return s
+
+    def _connection_lost(self) -> bool:
+        """Local readers: whether the connection to the writer's socket dropped (it is never
+        re-established)."""
+        mon = self._monitor
+        if mon is None or not mon.poll(0):
+            return False
+        while mon.poll(0):
+            mon.recv_multipart()
+        self._lost = True
+        return True
 
     def wait_until_ready(self, timeout: float | None = None) -> None:
         """Writer: waits for every reader to subscribe, then tells them to start. Readers:
         wait for that. Afterwards the shm names are unlinked, so nothing is left in
         ``/dev/shm`` even if every process is killed."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._side_lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            raise TimeoutError("timed out waiting for another thread's call on this queue")
+        try:
+            self._wait_until_ready_locked(deadline)
+        finally:
+            self._side_lock.release()
+        self._ready = True
+
+    def _wait_until_ready_locked(self, deadline: float | None) -> None:
         with self._io_lock:
             if self._is_writer:
                 for sock, n in (
@@ -502,9 +597,10 @@ class MessageQueue:
                     for _ in range(n):
                         self._poll(sock, deadline, "readers to subscribe")
                         sock.recv()
-                    if sock is self.local_socket:
-                        # Every expected reader is connected: nobody else may connect now.
-                        self._res.remove_socket_dir()
+                    if sock is self.local_socket and self._res.socket_dir is not None:
+                        # Every expected reader is connected: nobody else may connect now. The
+                        # directory stays until shutdown, so its name never becomes free.
+                        self._res.socket_dir.unlink_socket()
                     if sock.poll(0):
                         raise RuntimeError(
                             f"more than the {n} expected readers subscribed to the queue "
@@ -526,7 +622,6 @@ class MessageQueue:
                     raise RuntimeError(
                         f"unexpected first message on the queue socket: {msg[:32]!r}"
                     )
-        self._ready = True
 
     def _poll(self, sock, deadline, what, watch_writer: bool = False):
         while True:
@@ -543,6 +638,8 @@ class MessageQueue:
                 return
             if watch_writer and self._writer_is_dead() and not sock.poll(0):
                 raise _writer_died(f"while waiting for {what}")
+            if self._connection_lost() and not sock.poll(0):
+                raise _connection_lost_error()
 
     def _writer_is_dead(self) -> bool:
         """Local readers: the writer's liveness token in the ring is free (positive evidence;
@@ -552,128 +649,197 @@ class MessageQueue:
     # ------------------------------------------------------------------ writer
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
         """Sends ``obj`` to every reader. Returns only when the caller may mutate or free
-        everything it passed (nothing sent aliases the caller's memory any more)."""
+        everything it passed (nothing sent aliases the caller's memory).
+
+        Exactly once: a ``TimeoutError`` (no free ring chunk, or a remote reader's socket
+        backlog at its cap, within ``timeout``) or a shutdown means the message was not sent
+        and its arena allocations went back (the caller may retry); once any reader can see
+        the message it is sent, and every reader gets it once, in order. Thread-safe: calls
+        from several threads are serialised (a call waiting for another honours its own
+        ``timeout``)."""
         if not self._is_writer:
             raise RuntimeError("only the writer can enqueue")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._check_can_send()
+        if not self._side_lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            raise TimeoutError("timed out waiting for another thread's enqueue on this queue")
+        try:
+            self._check_can_send()
+            if self.serialize_inband:
+                dumped = Dumped(dumps_inband(obj), [], [])
+            else:
+                with _NOGIL:  # the arena copy releases the GIL
+                    dumped = dump_message(obj, self.arena)
+            frames = [_diverted_header(dumped.diverted), dumped.data, *dumped.buffers]
+            sending = _Sending(dumped.diverted, len(frames))
+            try:
+                self._send(frames, deadline, sending)
+            except BaseException as e:
+                self._settle(frames, sending, e)
+                raise
+            self._counters["messages"] += 1
+            self._maybe_report()
+        finally:
+            self._side_lock.release()
+
+    def _check_can_send(self) -> None:
         if self._shutdown.is_set():
             raise RuntimeError("MessageQueue was shut down")
         if self._broken:
             raise RuntimeError(f"MessageQueue is broken ({self._broken}); recreate it")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self.serialize_inband:
-            dumped = Dumped(dumps_inband(obj), [], [])
-        else:
-            with _NOGIL:  # the arena copy releases the GIL
-                dumped = dump_message(obj, self.arena)
-        frames = [_diverted_header(dumped.diverted), dumped.data, *dumped.buffers]
-        try:
-            self._send(frames, deadline)
-        except BaseException:
-            if self.arena is not None and dumped.diverted:
-                # Nothing was published: readers never saw the stubs. A failure here must not
-                # replace the error that stopped the send.
-                try:
-                    self.arena._abort(dumped.diverted)
-                except Exception:
-                    logger.exception("vllm_shm_arena: giving back a failed message's slots")
-            raise
-        self._counters["messages"] += 1
-        self._maybe_report()
 
-    def _send(self, frames: list, deadline: float | None) -> None:
+    def _send(self, frames: list, deadline: float | None, sending: _Sending) -> None:
+        """One message, in an order where every wait comes before anything is committed:
+        (1) a ring chunk is reserved (the ring's back-pressure), (2) a message too big for a
+        chunk is packed into an arena blob (never waits, may decline), (3) remote readers'
+        socket (waits while a reader's backlog is at its cap), then (4) the ring publishes
+        (and, for an overflow message without a blob, the local socket takes it; it never
+        waits: the ring bounds its backlog). Each step records what it committed in
+        ``sending``, for ``_settle``."""
         sizes = [memoryview(f).nbytes for f in frames]
         self._counters["bytes"] += sum(sizes)
-        if self._ring is not None:
-            fits = _C.RingWriter.packed_bytes(sizes) <= self.max_chunk_bytes
+        ring = self._ring
+        fits = ring is not None and _C.RingWriter.packed_bytes(sizes) <= self.max_chunk_bytes
+        sending.fits = fits
+        if ring is not None:
             while True:
                 left = self._time_left(deadline, "a free ring chunk (readers are slow or stuck)")
-                slice_s = _WAIT_SLICE_S if left is None else min(_WAIT_SLICE_S, left)
                 with _NOGIL:
-                    if fits:
-                        status = self._ring.write(frames, 0, slice_s)
-                    else:
-                        status = (
-                            "ok"
-                            if self._ring.write_marker(_C.RING_FLAG_OVERFLOW, slice_s)
-                            else "timeout"
-                        )
-                status = "overflow" if not fits and status == "ok" else status
-                if status != "timeout":
-                    break
-            if status == "ok":
-                self._counters["ring_messages"] += 1
-            else:  # "overflow" or "no_space": the ring holds a marker, the socket the message
-                if status == "no_space":
-                    self._log(
-                        "no_space_ring",
-                        logging.WARNING,
-                        "ring chunk could not be backed (/dev/shm full); "
-                        "message sent over the socket",
-                    )
-                self._counters["overflow_messages"] += 1
-                self._send_socket(self.local_socket, frames, deadline)
+                    if ring.reserve(_WAIT_SLICE_S if left is None else min(_WAIT_SLICE_S, left)):
+                        break
+            if not fits and self.arena is not None and self._blob_max:
+                with _NOGIL:
+                    sending.blob = self.arena._require_writer().write_frames(frames, self._blob_max)
         if self.remote_socket is not None:
-            self._send_socket(self.remote_socket, frames, deadline)
+            self._send_socket(self.remote_socket, frames, deadline, sending, may_wait=True)
+        if ring is not None:
+            self._publish_local(frames, fits, sending)
 
-    def _send_socket(self, sock, frames: list, deadline: float | None) -> None:
+    def _publish_local(self, frames: list, fits: bool, sending: _Sending) -> None:
+        """Step (4) of ``_send``: the reserved chunk is published; it never waits."""
+        ring = self._ring
+        sending.ring_seq = ring.published()
+        status = "overflow"
+        if fits:
+            with _NOGIL:
+                status = ring.write(frames, 0, 0.0)
+        elif sending.blob is not None:
+            with _NOGIL:
+                status = ring.write([struct.pack("<QQQ", *sending.blob)], _BLOB_FLAGS, 0.0)
+            if status == "ok":
+                self._counters["overflow_messages"] += 1
+                self._counters["blob_messages"] += 1
+                return
+        if status == "ok":
+            self._counters["ring_messages"] += 1
+            return
+        if status == "no_space":  # the ring published an overflow marker instead
+            self._log(
+                "no_space_ring",
+                logging.WARNING,
+                "ring chunk could not be backed (/dev/shm full); message sent over the socket",
+            )
+        else:
+            ring.write_marker(_C.RING_FLAG_OVERFLOW, 0.0)
+        if sending.blob is not None:
+            # Published in the arena but named by no marker: no reader will ever see it.
+            self.arena._abort([sending.blob[:2]])
+            sending.blob = None
+        self._counters["overflow_messages"] += 1
+        sending.socket_owed = True
+        self._send_socket(self.local_socket, frames, None, sending, may_wait=False)
+        sending.socket_owed = False
+
+    def _send_socket(
+        self, sock, frames: list, deadline: float | None, sending: _Sending, may_wait: bool
+    ) -> None:
+        """Queues ``frames`` on ``sock`` as one message, copied (ZeroMQ owns the copy, so
+        nothing aliases the caller's memory once this returns). Only the first frame can meet
+        the backlog cap (``ZMQ_XPUB_NODROP``: a full subscriber makes the send fail, never
+        drop); waiting for it honours ``deadline``, and nothing of the message has been sent
+        then. ``may_wait=False``: a socket without a cap, which never waits."""
         with self._io_lock:
             if self._shutdown.is_set():  # the socket is closed (or about to be)
                 raise RuntimeError("MessageQueue was shut down")
-            self._send_socket_locked(sock, frames, deadline)
-
-    def _send_socket_locked(self, sock, frames: list, deadline: float | None) -> None:
-        trackers = []
-        for i, f in enumerate(frames):
-            more = zmq.SNDMORE if i + 1 < len(frames) else 0
-            if memoryview(f).nbytes >= _ZERO_COPY_MIN:
-                # Zero-copy, tracked per frame (send_multipart's tracker covers only the last
-                # frame): we wait below until ZeroMQ no longer reads the caller's memory.
-                trackers.append(sock.send(f, more, copy=False, track=True))
-            else:
-                sock.send(f, more, copy=True)
-        # Every frame is queued. Waiting for ZeroMQ to let go of the caller's memory still
-        # honours the deadline whatever a subscriber does (one that stopped reading would hold
-        # it for good): past it the queue breaks (see _break_after_send_timeout).
-        started = time.monotonic()
-        for t in trackers:
-            while not t.done:
-                self._time_left(None, "ZeroMQ to finish sending")
-                if deadline is not None and time.monotonic() >= deadline:
-                    self._break_after_send_timeout(sock, trackers)
+            n = len(frames)
+            while True:
                 try:
-                    t.wait(_WAIT_SLICE_S)
-                except zmq.NotDone:
-                    if time.monotonic() - started > _WAIT_WARN_S:
-                        self._log(
-                            "slow_send",
-                            logging.WARNING,
-                            "ZeroMQ has not finished sending a message for %.0f s "
-                            "(a reader is not reading)",
-                            time.monotonic() - started,
-                        )
+                    sock.send(frames[0], (zmq.SNDMORE if n > 1 else 0) | zmq.NOBLOCK, copy=True)
+                    break
+                except zmq.Again:
+                    if not may_wait:
+                        raise
+                self._time_left(deadline, "a remote reader's socket backlog to drain")
+                self._log(
+                    "socket_full",
+                    logging.WARNING,
+                    "a remote reader's socket backlog is at its cap (%d messages): it is not "
+                    "reading; enqueue waits",
+                    _SOCKET_HWM,
+                )
+                time.sleep(0.001)
+            sending.sent[id(sock)] = 1
+            # The rest cannot fail for a full subscriber (that is decided on a message's first
+            # frame) and is not interrupted by our own checks: a half-sent message would be
+            # completed by the next message's frames.
+            for i in range(1, n):
+                sock.send(frames[i], zmq.SNDMORE if i + 1 < n else 0, copy=True)
+                sending.sent[id(sock)] = i + 1
 
-    def _break_after_send_timeout(self, sock, trackers) -> None:
-        """A subscriber did not take a sent message in time. Some readers may have it, others
-        never will: the queue cannot go on in order. Closes the socket (ZeroMQ drops its
-        references to the caller's memory), waits for that, shuts the ring down (readers
-        waiting for this message get a clear error instead of hanging) and raises; the
-        caller's enqueue then gives the message's arena allocations back, which is safe only
-        because a broken queue never writes again."""
-        self._broken = "an enqueue timed out while a subscriber was not reading"
-        sock.close(linger=0)
-        end = time.monotonic() + 5.0
-        for t in trackers:
-            while not t.done and time.monotonic() < end:
+    def _settle(self, frames: list, sending: _Sending, exc: BaseException) -> None:
+        """An exception left ``_send`` (a timeout or shutdown before anything was committed,
+        or an asynchronous exception such as ``KeyboardInterrupt`` at any point). Decides from
+        what the ring and the sockets actually took, not from where Python was: nothing taken
+        -> the message's arena allocations go back (not sent); taken -> whatever readers are
+        still owed is finished, and the exception carries a note that the message was sent; a
+        half-sent socket message -> the queue is broken (it cannot go on in order)."""
+        n = len(frames)
+        ring = self._ring
+        seq = sending.ring_seq
+        ring_committed = ring is not None and seq is not None and ring.published() > seq
+        counts = list(sending.sent.values())
+        if any(0 < k < n for k in counts):
+            self._break("an enqueue was interrupted half-way through a socket send")
+            return
+        remote_done = self.remote_socket is not None and sending.sent.get(id(self.remote_socket))
+        if not ring_committed and not remote_done:
+            blob = [sending.blob[:2]] if sending.blob is not None else []
+            if self.arena is not None and (sending.diverted or blob):
+                # Nothing was published: readers never saw the stubs. A failure here must
+                # not replace the error that stopped the send.
                 try:
-                    t.wait(_WAIT_SLICE_S)
-                except zmq.NotDone:
-                    pass
+                    self.arena._abort([*sending.diverted, *blob])
+                except Exception:
+                    logger.exception("vllm_shm_arena: giving back an unsent message's slots")
+            return
+        # Sent: finish what readers are owed (neither step waits).
+        try:
+            if ring is not None and not ring_committed:
+                self._publish_local(frames, sending.fits, sending)
+            elif sending.socket_owed:
+                self._send_socket(self.local_socket, frames, None, sending, may_wait=False)
+        except BaseException:
+            self._break("an enqueue was interrupted after its message was announced")
+            raise
+        self._counters["messages"] += 1
+        if hasattr(exc, "add_note"):
+            exc.add_note(
+                "vllm_shm_arena: this message was sent before the exception; do not send it again"
+            )
+
+    def _break(self, why: str) -> None:
+        """The queue cannot go on in order: no more sends, the ring shut down (readers get a
+        clear error after the messages before), the sockets closed (ZeroMQ drops the half
+        message), and the arena closed for writes (a reader may hold this message's
+        records: they are never reused)."""
+        self._broken = why
+        for s in (self.local_socket, self.remote_socket):
+            if s is not None:
+                s.close(linger=0)
         if self._ring is not None:
             self._ring.shutdown()
-        raise TimeoutError(
-            "timed out waiting for a subscriber to take the message (it is not reading); "
-            "the MessageQueue is broken and must be recreated"
-        )
+        if self.arena is not None:
+            self.arena.close()
 
     def _time_left(self, deadline, what):
         if self._shutdown.is_set():
@@ -682,7 +848,7 @@ class MessageQueue:
             return None
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"timed out waiting for {what}")
+            raise TimeoutError(f"timed out waiting for {what}; the message was not sent")
         return left
 
     def empty(self, shape, dtype=None):
@@ -694,6 +860,7 @@ class MessageQueue:
         dtype = torch.float32 if dtype is None else dtype
         if not self._is_writer:
             raise RuntimeError("only the writer can lend tensors")
+        self._check_can_send()  # a broken queue's arena lends nothing: readers may hold it
         t = self.arena.empty(shape, dtype) if self.arena is not None else None
         return t if t is not None else torch.empty(tuple(shape), dtype=dtype)
 
@@ -707,21 +874,14 @@ class MessageQueue:
             self._last_report = now
             self._report()
         elif self._report_timer is None:
-            t = threading.Timer(1.0 - (now - self._last_report), self._report_from_timer)
+            # The timer holds the queue weakly: a queue dropped without shutdown() is never
+            # kept alive by a report it owes.
+            t = threading.Timer(
+                1.0 - (now - self._last_report), _report_from_timer, (weakref.ref(self),)
+            )
             t.daemon = True
             self._report_timer = t
             t.start()
-
-    def _report_from_timer(self) -> None:
-        self._report_timer = None
-        # Threads do not survive fork, but a child could still call this by hand.
-        if os.getpid() != self._pid or self._closed:
-            return
-        self._last_report = time.monotonic()
-        try:
-            self._report()
-        except Exception:  # a report must never take the process down from a timer thread
-            logger.debug("vllm_shm_arena: a timed stats report failed", exc_info=True)
 
     def _report(self) -> None:
         if self._is_writer:
@@ -803,18 +963,28 @@ class MessageQueue:
 
     # ------------------------------------------------------------------ reader
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
-        """Receives the next message. Raises ``TimeoutError`` after ``timeout`` seconds and
+        """Receives the next message. Raises ``TimeoutError`` after ``timeout`` seconds (the
+        queue is then exactly as it was: the message comes with a later call) and
         ``RuntimeError`` once the queue is shut down. ``indefinite`` silences the periodic
-        "still waiting" log line."""
+        "still waiting" log line. Thread-safe: calls from several threads are serialised, each
+        message goes to one of them."""
         if self._is_writer:
             raise RuntimeError("the writer cannot dequeue")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._side_lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            raise TimeoutError("timed out waiting for another thread's dequeue on this queue")
+        try:
+            return self._dequeue_locked(deadline, indefinite)
+        finally:
+            self._side_lock.release()
+
+    def _dequeue_locked(self, deadline: float | None, indefinite: bool) -> Any:
         arena = self.arena
         if arena is not None:
             if arena._may_gate:  # something was pinned: releases wait for their events
                 with _NOGIL:
                     arena.flush_releases()
             self._maybe_report()
-        deadline = None if timeout is None else time.monotonic() + timeout
         started = time.monotonic()
         warned_at = started
         warn_every = _warn_interval()
@@ -825,13 +995,14 @@ class MessageQueue:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError("timed out waiting for a message")
-                if self._peeked:
-                    status, flags, frames = self._peeked.popleft()
-                else:
+                if not self._peeked:
                     with _NOGIL:
-                        status, flags, frames = self._ring.read(
+                        got = self._ring.read(
                             _WAIT_SLICE_S if left is None else min(_WAIT_SLICE_S, left)
                         )
+                    if got[0] == "ok":
+                        self._peeked.append(got)
+                status, flags, frames = self._peeked[0] if self._peeked else got
                 if status == "ok":
                     arrived = time.perf_counter()
                     break
@@ -842,10 +1013,19 @@ class MessageQueue:
                 if not indefinite and time.monotonic() - warned_at >= warn_every:
                     warned_at = time.monotonic()
                     logger.warning(_LONG_WAIT_MSG, warned_at - started)
-            if flags & _C.RING_FLAG_OVERFLOW:
+            # The message stays at the front of _peeked until it is in hand: a wait below that
+            # times out leaves it there for the next call, in order.
+            if flags & _C.RING_FLAG_BLOB:
+                self._peeked.popleft()
+                frames = self._read_blob(frames)
+                self._counters["blob_messages"] += 1
+                self._counters["overflow_messages"] += 1
+            elif flags & _C.RING_FLAG_OVERFLOW:
                 frames = self._recv_socket(self.local_socket, deadline, watch_ring=True)
+                self._peeked.popleft()
                 self._counters["overflow_messages"] += 1
             else:
+                self._peeked.popleft()
                 self._counters["ring_messages"] += 1
         else:
             frames = self._recv_socket(self.remote_socket, deadline)
@@ -855,6 +1035,20 @@ class MessageQueue:
         #: Seconds from the message's arrival (ring chunk seen) to the object in hand.
         self.last_dequeue_s = time.perf_counter() - arrived
         return obj
+
+    def _read_blob(self, marker_frames) -> list:
+        """The frames of a message the writer packed into an arena blob (named by the ring
+        marker's one frame: slot, generation, bytes), copied out; the blob is released at
+        once, whatever happens to the message afterwards."""
+        if self.arena is None:
+            raise RuntimeError(
+                "the ring announced a message in the tensor arena, but this reader has no "
+                "arena attached (a queue handle without its arena handle?)"
+            )
+        if len(marker_frames) != 1 or len(marker_frames[0]) != 24:
+            raise RuntimeError("corrupt blob marker in the message ring")
+        slot, gen, nbytes = struct.unpack("<QQQ", marker_frames[0])
+        return self.arena._require_reader().read_frames(slot, gen, nbytes)
 
     def _recv_socket(self, sock, deadline, watch_ring: bool = False):
         """The next message on ``sock``. ``watch_ring``: the ring announced it (an overflow
@@ -872,6 +1066,8 @@ class MessageQueue:
                     raise TimeoutError("timed out waiting for a message on the socket")
                 if sock.poll(int(wait * 1000)):
                     break
+                if self._lost or self._connection_lost():
+                    raise _connection_lost_error()
                 if watch_ring and self._writer_is_dead():
                     if sock.poll(0):  # sent before it died: still delivered
                         break
@@ -965,16 +1161,23 @@ class MessageQueue:
         if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
-        if os.getpid() == self._pid:
-            self._res.remove_socket_dir()
-        # A call blocked on a socket in another thread sees the flag within one wait slice and
-        # lets go of the lock; only then are the sockets closed.
+        # A call of this end in another thread sees the shutdown flag within one wait slice and
+        # returns; waiting for it (bounded) means the ring and sockets are not closed under it.
+        side_locked = self._side_lock.acquire(timeout=10 * _WAIT_SLICE_S)
+        try:
+            self._close_locked(drain_s)
+        finally:
+            if side_locked:
+                self._side_lock.release()
+
+    def _close_locked(self, drain_s: float) -> None:
+        self._res.remove_socket_dir()
         locked = self._io_lock.acquire(timeout=10 * _WAIT_SLICE_S)
         try:
             socks = [s for s in (self.local_socket, self.remote_socket) if s is not None]
             linger_ms = int(drain_s * 1000) if locked else 0
             for s in socks:
-                if self._is_writer and linger_ms:
+                if self._is_writer and linger_ms and not s.closed:
                     # Queued after every message sent: a reader waiting on the socket for an
                     # overflow message that never went out learns that none is coming.
                     try:
@@ -982,10 +1185,11 @@ class MessageQueue:
                     except zmq.ZMQError:
                         pass  # readers still see the ring's shutdown flag below
                 s.close(linger=linger_ms)
+            if self._monitor is not None:
+                self._monitor.close(linger=0)
             # Returns once every frame queued on those sockets went out (to the kernel, which
             # then delivers it to the reader's ZeroMQ) or the linger ran out.
-            if os.getpid() == self._pid:
-                self._ctx.term()
+            self._ctx.term()
         finally:
             if locked:
                 self._io_lock.release()
@@ -994,11 +1198,14 @@ class MessageQueue:
             self._ring.shutdown()
             # Idempotent; covers a queue shut down before wait_until_ready unlinked the name.
             self._ring.unlink()
-        timer = self._report_timer
+        timer, self._report_timer = self._report_timer, None
         if timer is not None:
             timer.cancel()
-        if self.arena is not None and self._is_writer:
-            metrics.record_writer_stats(self.arena.stats(), key=self.arena.name)  # final totals
+        if self.arena is not None:
+            if self._is_writer:
+                metrics.record_writer_stats(self.arena.stats(), key=self.arena.name)  # totals
+            # A reader's arena: stubs can no longer resolve to it; tensors handed out keep
+            # their mapping (and pinning) alive on their own.
             self.arena.close()
         self._finalizer()  # everything is closed already; marks it done
 
