@@ -7,6 +7,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -37,6 +38,8 @@ void check_name(const std::string& name) {
   }
 }
 
+std::atomic<RandomNameSource> g_random_name_source{nullptr};
+
 std::string random_hex128() {
   unsigned char raw[16];
   size_t got = 0;
@@ -58,6 +61,15 @@ std::string random_hex128() {
 }
 
 }  // namespace
+
+std::string random_name_hex() {
+  RandomNameSource source = g_random_name_source.load(std::memory_order_acquire);
+  return source != nullptr ? source() : random_hex128();
+}
+
+void set_random_name_source_for_testing(RandomNameSource source) {
+  g_random_name_source.store(source, std::memory_order_release);
+}
 
 std::string ShmRegion::default_dir() {
   const char* env = std::getenv("VLLM_SHM_ARENA_SHM_DIR");

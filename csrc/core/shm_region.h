@@ -18,6 +18,16 @@
 
 namespace vllm_shm_arena {
 
+/// 32 lowercase hex digits of fresh randomness (128 bits from getrandom(2)): the random part of
+/// every name the core creates in the shm directory. Throws ShmError if getrandom fails.
+std::string random_name_hex();
+
+/// A replacement for random_name_hex()'s randomness, for tests that must know the next names.
+using RandomNameSource = std::string (*)();
+/// Test seam: while `source` is set, random_name_hex() returns its result (null, the default,
+/// restores getrandom). Never set outside tests.
+void set_random_name_source_for_testing(RandomNameSource source);
+
 /// One mapped shared-memory segment. Unmapped (and its fd closed) on destruction; the name is
 /// removed only by unlink(), after which existing mappings stay valid.
 class ShmRegion {
