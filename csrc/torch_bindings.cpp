@@ -24,6 +24,7 @@
 #include "core/pin_registry.h"
 #include "core/release_gate.h"
 #include "core/ring.h"
+#include "core/socket_dir.h"
 #include "core/stale_segments.h"
 
 #ifndef VSA_TORCH_VERSION
@@ -1248,6 +1249,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // "alive" | "dead" | "unknown": the ring writer's liveness token.
       .def("writer_liveness", &MessageRingReader::writer_liveness)
       .def_property_readonly("rank", &MessageRingReader::rank);
+
+  // A queue's local-socket directory in the shm directory ("" = the default): fresh 0700,
+  // its name held by a liveness token until remove() (core/socket_dir.h).
+  py::class_<SocketDir>(m, "SocketDir")
+      .def(py::init([](const std::string& shm_dir) {
+             return SocketDir::create(shm_dir.empty() ? ShmRegion::default_dir() : shm_dir);
+           }),
+           py::arg("shm_dir") = "")
+      // Removes the socket only: nobody else can connect; the name stays taken.
+      .def("unlink_socket", &SocketDir::unlink_socket)
+      // Removes socket, token and directory, releasing the token (idempotent).
+      .def("remove", &SocketDir::remove)
+      .def_property_readonly("path", &SocketDir::path)
+      .def_property_readonly("socket_path", &SocketDir::socket_path);
 
   // Tensor over a Python buffer: zero-copy over a writable one (a received ZeroMQ frame),
   // which it keeps alive; a read-only one (bytes) is copied once.

@@ -5,8 +5,11 @@ nothing behind; a writer that crashes (or ``os._exit``s) before ``wait_until_rea
 segments (an arena is 2 GiB of sparse file). ``remove_stale_resources`` removes a segment only
 when it has the project's name prefix, is a regular file of this user, carries an arena's or a
 ring's magic number and this build's layout version (the one with liveness tokens), and its
-writer's kernel-held token is free: the writer is provably gone. Everything else is kept and
-reported as unknown.
+writer's kernel-held token is free: the writer is provably gone. A queue's socket directory
+(``vsa_sock_<32 hex>``, made by ``_C.SocketDir``) is removed only when its name has exactly that
+form, it is a directory of this user (never a symlink followed) holding nothing but its
+``token`` (a regular file of this user) and optionally the socket ``s``, and the token is free:
+its creator is provably gone. Everything else is kept and reported as unknown, with the reason.
 
     python -m vllm_shm_arena cleanup [--dry-run] [--dir /dev/shm]
 """
@@ -23,7 +26,7 @@ class SegmentReport:
     """What the cleaner found for one name in the shm directory."""
 
     name: str
-    kind: str  # "arena", "ring", "socket" (a queue's socket directory), or "" (unrecognised)
+    kind: str  # "arena", "ring", "socket" (a socket directory's name), or "" (unrecognised)
     writer: str  # "dead" (stale), "alive", or "unknown" (kept)
     removed: bool
     why: str  # for "unknown": what was not as expected
@@ -41,9 +44,10 @@ class SegmentReport:
 
 
 def remove_stale_resources(shm_dir: str | None = None, dry_run: bool = False) -> list:
-    """Removes stale arena and ring segments from ``shm_dir`` (default: the shm directory the
-    package uses, ``$VLLM_SHM_ARENA_SHM_DIR`` or ``/dev/shm``) and returns one
-    ``SegmentReport`` per ``vsa_*`` name seen. With ``dry_run`` nothing is removed."""
+    """Removes stale arena and ring segments and abandoned socket directories from ``shm_dir``
+    (default: the shm directory the package uses, ``$VLLM_SHM_ARENA_SHM_DIR`` or ``/dev/shm``)
+    and returns one ``SegmentReport`` per ``vsa_*`` name seen. With ``dry_run`` nothing is
+    removed."""
     d = shm_dir or _C.default_shm_dir()
     return [SegmentReport(*r) for r in _C.remove_stale_segments(d, bool(dry_run))]
 
@@ -54,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(
         prog="python -m vllm_shm_arena cleanup",
-        description="Remove arena and ring segments whose writer is provably dead.",
+        description="Remove arena and ring segments (and queue socket directories) whose "
+        "writer is provably dead.",
     )
     p.add_argument("--dry-run", action="store_true", help="list, remove nothing")
     p.add_argument(

@@ -7,6 +7,7 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -37,6 +38,8 @@ void check_name(const std::string& name) {
   }
 }
 
+std::atomic<RandomNameSource> g_random_name_source{nullptr};
+
 std::string random_hex128() {
   unsigned char raw[16];
   size_t got = 0;
@@ -58,6 +61,15 @@ std::string random_hex128() {
 }
 
 }  // namespace
+
+std::string random_name_hex() {
+  RandomNameSource source = g_random_name_source.load(std::memory_order_acquire);
+  return source != nullptr ? source() : random_hex128();
+}
+
+void set_random_name_source_for_testing(RandomNameSource source) {
+  g_random_name_source.store(source, std::memory_order_release);
+}
 
 std::string ShmRegion::default_dir() {
   const char* env = std::getenv("VLLM_SHM_ARENA_SHM_DIR");
@@ -89,17 +101,66 @@ void ShmRegion::check_free_space(const std::string& dir, uint64_t bytes) {
 ShmRegion::ShmRegion(std::string name, std::string dir, int fd, uint8_t* base, uint64_t size)
     : name_(std::move(name)), dir_(std::move(dir)), fd_(fd), base_(base), size_(size) {}
 
+namespace {
+
+// Fresh names tried before giving up: with 128 random bits a taken name means somebody is
+// creating names in the directory, not bad luck.
+constexpr int kNameAttempts = 16;
+
+ShmError no_free_name(const std::string& dir, const std::string& what) {
+  return ShmError("no free name for " + what + " in " + dir + " after " +
+                  std::to_string(kNameAttempts) +
+                  " fresh random names: each already existed (another process is creating "
+                  "names there)");
+}
+
+// Gives the file at `tmp_path` the name `<prefix><fresh random hex>` in `dir`, never replacing
+// an existing name: a taken name is skipped for a fresh one. Returns the new name.
+std::string publish_name(const std::string& dir, const std::string& tmp_path,
+                         const std::string& prefix) {
+  for (int attempt = 0; attempt < kNameAttempts; ++attempt) {
+    std::string final_name = prefix + random_name_hex();
+    std::string final_path = dir + "/" + final_name;
+    if (::renameat2(AT_FDCWD, tmp_path.c_str(), AT_FDCWD, final_path.c_str(), RENAME_NOREPLACE) ==
+        0) {
+      return final_name;
+    }
+    int err = errno;
+    if (err == EINVAL) {
+      // A filesystem without renameat2 flags: link() refuses to replace as well.
+      if (::link(tmp_path.c_str(), final_path.c_str()) == 0) {
+        ::unlink(tmp_path.c_str());
+        return final_name;
+      }
+      err = errno;
+    }
+    if (err != EEXIST) throw ShmError(errno_message("naming shared memory " + final_path, err));
+  }
+  throw no_free_name(dir, "a shared-memory segment");
+}
+
+}  // namespace
+
 std::shared_ptr<ShmRegion> ShmRegion::create(uint64_t bytes, const std::string& prefix,
                                              const std::string& dir,
                                              const std::function<void(ShmRegion&)>& init) {
   if (bytes == 0) throw InvalidArgument("shared-memory size must be > 0, got 0");
   check_name(prefix + "x");
   check_free_space(dir, bytes);
-  const std::string hex = random_hex128();
-  std::string tmp_name = prefix + "tmp_" + hex;
-  std::string path = dir + "/" + tmp_name;
-  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) throw ShmError(errno_message("creating shared memory " + path, errno));
+  // The temporary and the final name draw their random bits independently: a user watching
+  // the directory learns nothing about the final name from the temporary one.
+  std::string tmp_name, path;
+  int fd = -1;
+  for (int attempt = 0; attempt < kNameAttempts && fd < 0; ++attempt) {
+    tmp_name = prefix + "tmp_" + random_name_hex();
+    path = dir + "/" + tmp_name;
+    fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0 && errno != EEXIST) {
+      throw ShmError(errno_message("creating shared memory " + path, errno));
+    }
+  }
+  if (fd < 0) throw no_free_name(dir, "a temporary shared-memory file");
+  // From here every failure removes the temporary name, which O_EXCL made ours.
   if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
     int err = errno;
     ::close(fd);
@@ -117,21 +178,9 @@ std::shared_ptr<ShmRegion> ShmRegion::create(uint64_t bytes, const std::string& 
       new ShmRegion(tmp_name, dir, fd, static_cast<uint8_t*>(p), bytes));
   try {
     if (init) init(*region);
-    std::string final_name = prefix + hex;
-    std::string final_path = dir + "/" + final_name;
-    // RENAME_NOREPLACE: never replace a segment someone else created under that name.
-    if (::renameat2(AT_FDCWD, path.c_str(), AT_FDCWD, final_path.c_str(), RENAME_NOREPLACE) != 0) {
-      int err = errno;
-      if (err != EINVAL) throw ShmError(errno_message("naming shared memory " + final_path, err));
-      // A filesystem without renameat2 flags: link() also refuses to replace.
-      if (::link(path.c_str(), final_path.c_str()) != 0) {
-        throw ShmError(errno_message("naming shared memory " + final_path, errno));
-      }
-      ::unlink(path.c_str());
-    }
-    region->name_ = final_name;
+    region->name_ = publish_name(dir, path, prefix);
   } catch (...) {
-    region->unlink();
+    region->unlink();  // still the temporary name: publish_name renames last or not at all
     throw;
   }
   return region;

@@ -18,6 +18,16 @@
 
 namespace vllm_shm_arena {
 
+/// 32 lowercase hex digits of fresh randomness (128 bits from getrandom(2)): the random part of
+/// every name the core creates in the shm directory. Throws ShmError if getrandom fails.
+std::string random_name_hex();
+
+/// A replacement for random_name_hex()'s randomness, for tests that must know the next names.
+using RandomNameSource = std::string (*)();
+/// Test seam: while `source` is set, random_name_hex() returns its result (null, the default,
+/// restores getrandom). Never set outside tests.
+void set_random_name_source_for_testing(RandomNameSource source);
+
 /// One mapped shared-memory segment. Unmapped (and its fd closed) on destruction; the name is
 /// removed only by unlink(), after which existing mappings stay valid.
 class ShmRegion {
@@ -33,10 +43,13 @@ class ShmRegion {
   static uint64_t free_bytes(const std::string& dir);
 
   /// Creates a new segment named `<prefix><32 random hex digits>` (128 bits), mode 0600,
-  /// sized to `bytes`, and maps it read-write. It is created (O_CREAT|O_EXCL) under a
-  /// temporary name, `init` runs on it (take the writer's liveness token, reserve and write
-  /// the tables), and only then is it renamed to its final name: nobody can find a segment
-  /// whose writer has not yet taken its token. If `init` throws, the file is removed.
+  /// sized to `bytes`, and maps it read-write. It is created (O_CREAT|O_EXCL|O_NOFOLLOW) under
+  /// a temporary name `<prefix>tmp_<other random hex>`, `init` runs on it (take the writer's
+  /// liveness token, reserve and write the tables), and only then is it renamed to its final
+  /// name: nobody can find a segment whose writer has not yet taken its token. The two names
+  /// share no bits, and the rename never replaces (RENAME_NOREPLACE, or link()): a name
+  /// somebody else made first is skipped for a fresh one, 16 times at most, then ShmError.
+  /// If anything fails after the temporary file exists, it is removed.
   static std::shared_ptr<ShmRegion> create(
       uint64_t bytes, const std::string& prefix = "vsa_", const std::string& dir = default_dir(),
       const std::function<void(ShmRegion&)>& init = std::function<void(ShmRegion&)>());

@@ -9,6 +9,14 @@
 // free. Anything else — no magic, another version, a file that cannot be opened or read — is
 // "unknown" and kept. The remover takes the writer's token itself before unlinking, so a
 // process taking the segment over at that moment is never robbed of its name.
+//
+// A queue's socket directory (`<prefix>sock_<hex>`, core/socket_dir.h) carries its own token
+// and is judged on it alone: it is removed only when its name is exactly `<prefix>sock_` and
+// 32 lowercase hex digits, it is a directory (never a symlink followed) of this user holding
+// nothing but `token` (a regular file of this user) and optionally `s` (a socket of this
+// user), and the token's writer byte is free. The cleaner takes that token before unlinking,
+// and works through descriptors opened with O_NOFOLLOW. Any other `<prefix>sock_*` entry is
+// kept and reported unknown, with the reason.
 #pragma once
 
 #include <string>
@@ -21,7 +29,8 @@ namespace vllm_shm_arena {
 /// What the cleaner found for one name.
 struct SegmentReport {
   std::string name;
-  std::string kind;  ///< "arena", "ring", "socket" (a queue's socket directory), or ""
+  /// "arena", "ring", "socket" (a name of a queue's socket directory), or "" (unrecognised)
+  std::string kind;
   /// kDead: stale (removed unless dry run); kAlive: its writer lives; kUnknown: kept.
   Liveness writer = Liveness::kUnknown;
   bool removed = false;
@@ -32,8 +41,8 @@ struct SegmentReport {
 SegmentReport inspect_segment(const std::string& dir, const std::string& name);
 
 /// Inspects every name in `dir` that starts with `prefix` and removes the stale ones (none
-/// with `dry_run`); a queue's socket directory `<prefix>sock_<hex>` goes with its stale ring
-/// `<prefix>ring_<hex>`, or when no such ring exists. Throws ShmError if `dir` cannot be listed.
+/// with `dry_run`): segments whose writer's token is free, and socket directories whose
+/// creator's token is free (see above). Throws ShmError if `dir` cannot be listed.
 std::vector<SegmentReport> remove_stale_segments(const std::string& dir, bool dry_run,
                                                  const std::string& prefix = "vsa_");
 
