@@ -706,7 +706,9 @@ class MessageRingWriter {
     uint64_t idx = (writer_->published()) % writer_->config().max_chunks;
     if (reserved_[idx] < total) {
       if (!region_->reserve(off, total)) {
-        writer_->publish(0, flags | kRingFlagOverflow | kNoSpaceFlag);
+        // The caller's flags described the message that did not fit; the marker says only
+        // "on the socket".
+        writer_->publish(0, kRingFlagOverflow | kNoSpaceFlag);
         return "no_space";
       }
       reserved_[idx] = total;

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import secrets
 import socket
 import struct
 import sys
@@ -78,6 +79,11 @@ _BLOB_SHARE = 4
 #: timeout, raises TimeoutError with nothing sent). The local socket needs no cap: it carries
 #: only overflow messages, each announced by a ring marker, so the ring bounds its backlog.
 _SOCKET_HWM = 64
+#: After a local reader's connection dropped, how long it still waits for frames the writer
+#: sent before (ZeroMQ may report the drop before the last frames are readable).
+_LOST_GRACE_MS = 200
+#: Bytes of the random token that starts every socket message (see Handle.socket_token).
+_TOKEN_BYTES = 16
 #: The writer's last frame on every socket: no message follows. Never a real message, which
 #: has at least two frames (header, pickle).
 _SHUTDOWN_FRAME = b"VSA-SHUTDOWN"
@@ -189,6 +195,9 @@ class Handle:
     local_subscribe_addr: str | None = None
     remote_subscribe_addr: str | None = None
     remote_addr_ipv6: bool = False
+    #: Starts every message on the queue's sockets: a reader takes a socket message only
+    #: from the writer that made its handle (protect the handle like the queue itself).
+    socket_token: bytes = b""
     tensor_arena_handle: ArenaHandle | None = None
 
 
@@ -384,6 +393,7 @@ class MessageQueue:
         self.remote_socket = None
         self.arena: ShmTensorArena | None = None
         self._init_process_state()
+        self._token = secrets.token_bytes(_TOKEN_BYTES)
         try:
             local_addr = remote_addr = None
             if n_local_reader > 0:
@@ -430,6 +440,7 @@ class MessageQueue:
             raise
         self._last_decline = {}
         self.handle = Handle(
+            socket_token=self._token,
             local_reader_ranks=list(local_reader_ranks),
             buffer_handle=(self._ring.name, self._ring.dir) if self._ring else None,
             local_subscribe_addr=local_addr,
@@ -509,6 +520,7 @@ class MessageQueue:
             )
         self = MessageQueue.__new__(MessageQueue)
         self.handle = handle
+        self._token = bytes(handle.socket_token)
         self._is_writer = False
         self._ring = None
         self.local_socket = self.remote_socket = None
@@ -550,11 +562,13 @@ class MessageQueue:
         s.setsockopt(zmq.RCVHWM, 0)
         s.setsockopt(zmq.LINGER, 0)
         if local:
-            # Never reconnect: once connected the path is unlinked, and a reconnect would reach
-            # whatever listens at that name then. A dropped connection is an error instead
-            # (seen through the monitor below).
-            s.setsockopt(zmq.RECONNECT_IVL, -1)
-            mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED)
+            # The socket's name is gone once every reader connected, so a dropped connection is
+            # never re-established by the writer: it is an error (seen through this monitor)
+            # once what came before is read. ZeroMQ still retries the name (disabling that,
+            # ZMQ_RECONNECT_IVL=-1, makes it drop messages received but not yet read when the
+            # writer closes); whatever answers there later is not the writer and its messages
+            # fail the token check (_recv_socket).
+            mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             self._res.sockets.append(mon)
             self._monitor = mon
         s.setsockopt_string(zmq.SUBSCRIBE, "")
@@ -616,7 +630,7 @@ class MessageQueue:
                 sock = self.local_socket if self._is_local_reader else self.remote_socket
                 self._poll(sock, deadline, "the writer's READY", watch_writer=self._is_local_reader)
                 msg = sock.recv()
-                if msg == _SHUTDOWN_FRAME:
+                if msg == _SHUTDOWN_FRAME + self._token:
                     raise RuntimeError("MessageQueue was shut down by the writer")
                 if msg != b"READY":
                     raise RuntimeError(
@@ -762,9 +776,10 @@ class MessageQueue:
             if self._shutdown.is_set():  # the socket is closed (or about to be)
                 raise RuntimeError("MessageQueue was shut down")
             n = len(frames)
+            first = self._token + bytes(frames[0])  # the token, then the arena records
             while True:
                 try:
-                    sock.send(frames[0], (zmq.SNDMORE if n > 1 else 0) | zmq.NOBLOCK, copy=True)
+                    sock.send(first, (zmq.SNDMORE if n > 1 else 0) | zmq.NOBLOCK, copy=True)
                     break
                 except zmq.Again:
                     if not may_wait:
@@ -1066,8 +1081,7 @@ class MessageQueue:
                     raise TimeoutError("timed out waiting for a message on the socket")
                 if sock.poll(int(wait * 1000)):
                     break
-                if self._lost or self._connection_lost():
-                    raise _connection_lost_error()
+                lost = self._lost or self._connection_lost()
                 if watch_ring and self._writer_is_dead():
                     if sock.poll(0):  # sent before it died: still delivered
                         break
@@ -1075,16 +1089,32 @@ class MessageQueue:
                 if watch_ring and writer_gone_at is None and self._ring_shut_down():
                     writer_gone_at = time.monotonic()
                 if writer_gone_at is not None:
+                    # The writer ended the ring: what it sent before comes within the grace.
                     if time.monotonic() - writer_gone_at > _SHUTDOWN_GRACE_S:
                         raise RuntimeError(
                             "MessageQueue was shut down by the writer before it sent the "
                             "message its ring announced"
                         )
+                elif lost:
+                    # Never re-established: what the writer sent before it went is delivered
+                    # first (ZeroMQ may report the drop before the last frames are readable).
+                    if sock.poll(_LOST_GRACE_MS):
+                        break
+                    raise _connection_lost_error()
             # Zero-copy frames: each belongs to this reader for good, so tensors may alias them.
             frames = sock.recv_multipart(copy=False)
-        if len(frames) == 1 and frames[0].bytes == _SHUTDOWN_FRAME:
+        head = frames[0].buffer
+        if len(frames) == 1 and head == _SHUTDOWN_FRAME + self._token:
             raise RuntimeError("MessageQueue was shut down by the writer")
-        return [f.buffer for f in frames]
+        if len(frames) < 2 or head[: len(self._token)] != self._token:
+            # Not the writer's (it always sends the token, then the pickle): whoever answers at
+            # the socket's address now. Nothing of it is unpickled.
+            self._lost = True
+            raise RuntimeError(
+                "MessageQueue: a message on the queue's socket did not come from its writer "
+                "(wrong token); nothing of it was used. Recreate the queue"
+            )
+        return [head[len(self._token) :], *(f.buffer for f in frames[1:])]
 
     def _ring_shut_down(self) -> bool:
         """Whether the writer shut the ring down after publishing everything in it. Reads
@@ -1181,7 +1211,7 @@ class MessageQueue:
                     # Queued after every message sent: a reader waiting on the socket for an
                     # overflow message that never went out learns that none is coming.
                     try:
-                        s.send(_SHUTDOWN_FRAME, zmq.NOBLOCK)
+                        s.send(_SHUTDOWN_FRAME + self._token, zmq.NOBLOCK)
                     except zmq.ZMQError:
                         pass  # readers still see the ring's shutdown flag below
                 s.close(linger=linger_ms)

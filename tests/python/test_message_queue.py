@@ -270,11 +270,10 @@ def test_enqueue_timeout_when_ring_full(seed, writers, geometry):
 
 
 def test_enqueue_timeout_never_fires_after_the_message_is_committed(seed, writers, geometry):
-    """Handing a 600 MiB frame to the reader may take longer than ``timeout``. Either the
-    message arrives intact and enqueue returned normally, or enqueue raised TimeoutError:
-    then the queue is broken (it never reports a delivered message as lost and then goes on:
-    later enqueues raise), the arena slot was given back, and the reader does not get the
-    message (its dequeue fails cleanly instead)."""
+    """Copying a 600 MiB frame to the socket may take longer than ``timeout``, but a timeout
+    only ever fires while nothing of the message is committed (waiting for a ring chunk or a
+    remote backlog): here the ring has room, so enqueue returns and the message arrives
+    intact; the queue goes on."""
     geometry(1, 16)
     mq = MessageQueue(1, 1, enable_shm_tensor_arena=True)
     writers(mq)
@@ -284,25 +283,16 @@ def test_enqueue_timeout_never_fires_after_the_message_is_committed(seed, writer
     msg = H.make_msg(seed, 0, 8 * MiB)  # into the arena
     msg["big"] = torch.zeros(600 * MiB, dtype=torch.uint8)  # oversize: over the socket
     t0 = time.monotonic()
-    try:
-        mq.enqueue(msg, timeout=0.1)
-        raised = None
-    except TimeoutError as e:
-        raised = e
-    took = time.monotonic() - t0
-    print(f"\nenqueue took {took:.2f} s, raised: {raised!r}")
+    mq.enqueue(msg, timeout=0.1)
+    print(f"\nenqueue took {time.monotonic() - t0:.2f} s")
     ar = arena_stats(mq)
-    if raised is not None:
-        assert ar["aborted"] == 1
-        with pytest.raises(RuntimeError, match="broken"):
-            mq.enqueue({"after": 1}, timeout=1.0)
-        with pytest.raises((TimeoutError, RuntimeError)):
-            r.dequeue(timeout=1.0)  # a message reported as not sent must not arrive
-    else:
-        assert ar["aborted"] == 0 and ar["hits"] == 1, ar
-        got = r.dequeue(timeout=10)
-        assert H.check_msg({k: v for k, v in got.items() if k != "big"}, seed, 0) is None
-        assert got["big"].numel() == 600 * MiB
+    assert ar["aborted"] == 0 and ar["hits"] == 1, ar
+    got = r.dequeue(timeout=10)
+    assert H.check_msg({k: v for k, v in got.items() if k != "big"}, seed, 0) is None
+    assert got["big"].numel() == 600 * MiB
+    del got, msg
+    mq.enqueue({"after": 1}, timeout=5)
+    assert r.dequeue(timeout=5) == {"after": 1}
 
 
 # ------------------------------------------------------------------------ 5. shutdown
@@ -510,8 +500,10 @@ def test_sigkill_everything_leaves_no_shm(seed, shm_dir, tmp_path):
         addr = next(ln for ln in lines if ln.startswith("ADDR")).split()[1]
         assert addr.startswith("ipc:///"), addr
         sock_path = Path(addr[len("ipc://") :])
-        # The socket's path was unlinked once the readers subscribed (wait_until_ready).
-        assert not sock_path.parent.exists(), f"socket directory left: {sock_path.parent}"
+        # The socket's name was unlinked once the readers subscribed (wait_until_ready); its
+        # private directory stays until shutdown, holding only the writer's liveness token.
+        assert not sock_path.exists(), f"socket name left: {sock_path}"
+        assert sorted(x.name for x in sock_path.parent.iterdir()) == ["token"]
         os.killpg(p.pid, signal.SIGKILL)
         p.wait(10)
     finally:
@@ -521,6 +513,12 @@ def test_sigkill_everything_leaves_no_shm(seed, shm_dir, tmp_path):
             pass
         p.wait(10)
     time.sleep(0.2)  # every process of the group is gone; nothing more can appear
+    # The killed writer's socket directory is provably abandoned (its token is free): the
+    # cleaner removes it, and only it.
+    from vllm_shm_arena.cleanup import remove_stale_resources
+
+    reports = [r for r in remove_stale_resources(str(d)) if r.name == sock_path.parent.name]
+    assert [(r.kind, r.writer, r.removed) for r in reports] == [("socket", "dead", True)]
     after = {p.name for p in d.iterdir() if p.name.startswith("vsa_")}
     try:
         assert len(names) == 2 and not [n for n in names if (d / n).exists()], names

@@ -484,3 +484,29 @@ def test_a_reader_never_takes_a_message_from_another_user_after_its_connection_d
         import shutil
 
         shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_a_socket_message_without_the_writers_token_is_never_unpickled(where, tmp_path):
+    """Whatever answers at the queue's socket address is not the writer unless its messages
+    start with the handle's random token: a reader joined with another token (what an
+    impostor has) gets a clear error and unpickles nothing."""
+    import dataclasses
+
+    marker = tmp_path / "ran"
+    if where == "local":
+        w = MessageQueue(1, 1, max_chunk_bytes=64 << 10, max_chunks=4)
+    else:
+        w = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    h = dataclasses.replace(w.export_handle(), socket_token=b"\0" * 16)
+    r = MessageQueue.create_from_handle(h, 0)
+    ready_in_threads(w, [r])
+    try:
+        w.enqueue((open, str(marker)), timeout=10)  # a message the impostor's reader unpacks
+        w.enqueue(b"x" * (200 << 10), timeout=10)
+        with pytest.raises(RuntimeError, match="did not come from its writer"):
+            r.dequeue(timeout=10)
+            r.dequeue(timeout=10)
+        assert not marker.exists()
+    finally:
+        _close(w, r)
