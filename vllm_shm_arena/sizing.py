@@ -16,11 +16,12 @@ with the arena must start there too. So, when a queue is created:
   arena could ever back once the ring has filled.
 * The configured arena is used whenever its whole segment fits in room.
 * Otherwise the arena gets a **share**: ``VLLM_SHM_ARENA_FREE_FRACTION`` (default 0.5) of the
-  **pool**, and never more than room. The pool is free plus the pages this package's other live
-  segments in the directory already back, minus this queue's whole ring: what the directory
-  would have for this queue's arena if no other queue of this package had backed anything.
-  What the rest of the directory holds (other programs' files) stays outside the pool; the
-  other half is headroom for them and for growth.
+  **pool**, and never more than room. The pool is free plus the pages this package's live
+  segments in the directory already back (this queue's ring included), minus this queue's whole
+  ring: what the directory would have for this queue's arena if no other queue of this package
+  had backed anything. What the rest of the directory holds (other programs' files) stays
+  outside the pool; the part of the pool the fraction leaves (half, by default) is headroom for
+  them and for growth.
 * Variable-size layout: the share rounded down to whole MiB. Fixed layout: as many of the
   configured slots as fit in it (never more than configured). Below the floor -- one slot of
   the fixed layout, ``VLLM_SHM_ARENA_MIN_MB`` (default 64 MiB) of the variable one, or the
@@ -28,7 +29,8 @@ with the arena must start there too. So, when a queue is created:
 
 Why other arenas' claims are not subtracted: data-parallel ranks on one node create one queue
 each, one after another. Subtracting what earlier arenas may grow to would hand out one half,
-then one quarter, ...; counting only what they have backed gives each the same share, because
+then one quarter, ...; treating what they have backed as still free gives each the same share,
+because
 an arena segment is a cap, not a reservation: its data pages are backed per allocation
 (``fallocate``) when a tensor is written, and when the directory fills up, the allocation is
 declined and that tensor goes out of band (counted as ``declined["no_space"]``), never a
@@ -39,10 +41,12 @@ unlinked once every reader has attached, so what an older queue backed after tha
 longer visible: it counts like any other user of the directory and lowers later shares, which
 errs on the side of headroom.
 
-One line is logged when the arena is smaller than configured (INFO) and one warning when there
-is none; both say how to get the full size. Creating the arena never makes the queue fail for
-lack of room: an ``OSError`` from the creation (the directory filled up in between) also
-leaves the queue without an arena, with a warning.
+One warning is logged when the arena is smaller than configured or missing, saying what the
+queue got and how to get the full size (a warning, not an info line: vLLM shows only its own
+loggers' info lines, and an operator who sized the arena should see that it was cut).
+Creating the arena never makes the queue fail for lack of room: an ``OSError`` from the
+creation (the directory filled up in between) also leaves the queue without an arena, with a
+warning.
 """
 
 from __future__ import annotations
@@ -368,7 +372,7 @@ class ArenaSize:
             "free_fraction": self.free_fraction,
             "floor_bytes": self.floor_bytes,
         }
-        d.update({f"dir_{k}": v for k, v in dataclasses.asdict(self.space).items()})
+        d["space"] = dataclasses.asdict(self.space)
         return d
 
 
@@ -412,9 +416,12 @@ def _where(space: DirSpace, fraction: float, share: int) -> str:
     cg = ""
     if space.cgroup_available is not None:
         cg = f" (the memory cgroup can charge {_mib(space.cgroup_available)})"
+    held = ""
+    if space.package_backed >= _MIB:
+        held = f", counting the {_mib(space.package_backed)} this package's live queues back there"
     return (
         f"{space.dir} has {_mib(space.shm_free)} free{cg} and this queue's message ring takes "
-        f"{_mib(space.ring_bytes)}; {fraction:g} of the rest ({FREE_FRACTION_ENV}) is "
+        f"{_mib(space.ring_bytes)}; {fraction:g} of the rest{held} ({FREE_FRACTION_ENV}) is "
         f"{_mib(share)}"
     )
 
@@ -516,8 +523,8 @@ def plan(
 def create_arena(
     n_readers: int, layout: Layout, shm_dir: str, ring_path: str | None = None
 ) -> tuple[ShmTensorArena | None, ArenaSize]:
-    """Creates the arena ``plan`` chooses and logs one line when it is smaller than
-    configured (INFO) or missing (WARNING). Returns ``(arena or None, size)``. Never raises
+    """Creates the arena ``plan`` chooses and logs one warning when it is smaller than
+    configured or missing. Returns ``(arena or None, size)``. Never raises
     ``OSError`` for lack of room: a creation that fails with one leaves no arena (warning)."""
     size = plan(n_readers, layout, shm_dir, ring_path)
     if size.arena_bytes == 0:
@@ -550,7 +557,7 @@ def create_arena(
         logger.warning("%s", size.message)
         return None, size
     if size.sized_by != "config":
-        logger.info("%s", size.message)
+        logger.warning("%s", size.message)
     metrics.record_arena_size(arena.name, size.arena_bytes, size.requested_bytes)
     # The gauges count this process's live arenas: an arena's entry goes with the object.
     weakref.finalize(arena, metrics.forget_arena_size, arena.name)

@@ -213,11 +213,11 @@ def _send_one(mq: MessageQueue, nbytes: int) -> dict:
         r2.shutdown()
 
 
-#: tmpfs size -> (the arena it gets: MiB of tensor data, 0: none; the log level of its line).
+#: tmpfs size -> (the arena it gets: MiB of tensor data, 0: none; the level of its log line).
 EXPECTED = {
     "256m": (0, logging.WARNING),
-    "512m": (173, logging.INFO),
-    "1g": (429, logging.INFO),
+    "512m": (173, logging.WARNING),
+    "1g": (429, logging.WARNING),
     "4g": (2048, None),
 }
 
