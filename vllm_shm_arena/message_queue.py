@@ -31,7 +31,7 @@ from typing import Any
 
 import zmq
 
-from vllm_shm_arena import metrics
+from vllm_shm_arena import metrics, sizing
 from vllm_shm_arena._ext import _C
 from vllm_shm_arena.arena import _CURRENT_READER, ArenaHandle, ShmTensorArena
 from vllm_shm_arena.pickler import Dumped, dump_message, dumps_inband, loads
@@ -105,19 +105,15 @@ def _check_arena_policy() -> None:
         )
 
 
-def _create_arena(n_readers: int) -> ShmTensorArena:
-    """The arena for a new queue, shaped by the VLLM_SHM_ARENA_* settings above."""
+def _create_arena(n_readers: int, ring) -> tuple[ShmTensorArena | None, sizing.ArenaSize]:
+    """The arena for a new queue beside its ``ring``: shaped by the VLLM_SHM_ARENA_* settings
+    above, smaller (or none) where the shm directory cannot hold it (sizing.py, which logs why).
+    -> (arena or None, the size chosen)."""
     _check_arena_policy()
-    if _ARENA_POLICY == "fixed":
-        return ShmTensorArena.create(
-            n_readers, num_slots=_ARENA_NUM_SLOTS, slot_bytes=_ARENA_SLOT_BYTES
-        )
-    return ShmTensorArena.create(
-        n_readers,
-        policy="variable",
-        arena_bytes=_ARENA_BYTES,
-        max_allocations=_ARENA_MAX_ALLOCATIONS,
+    layout = sizing.Layout(
+        _ARENA_POLICY, _ARENA_BYTES, _ARENA_MAX_ALLOCATIONS, _ARENA_NUM_SLOTS, _ARENA_SLOT_BYTES
     )
+    return sizing.create_arena(n_readers, layout, ring.dir, os.path.join(ring.dir, ring.name))
 
 
 class _NoGilCalls:
@@ -424,7 +420,7 @@ class MessageQueue:
                         n_reader,
                     )
                 else:
-                    self.arena = _create_arena(n_local_reader)
+                    self.arena, self._arena_size = _create_arena(n_local_reader, self._ring)
             self._blob_max = 0
             if self.arena is not None and self.arena.handle().policy == "variable":
                 self._blob_max = (self.arena.slot_bytes // _BLOB_SHARE) // (
@@ -1157,7 +1153,8 @@ class MessageQueue:
 
     def stats(self) -> dict:
         """Queue counters, plus the arena's (hits, bytes, declined{...}, per-reader holdings)
-        when it has one."""
+        when it has one, and on a writer asked for an arena the size it got under
+        ``"arena_size"`` (arena_bytes, requested_bytes, sized_by, ...: ``sizing.ArenaSize``)."""
         out = dict(self._counters)
         out["role"] = (
             "writer"
@@ -1169,6 +1166,9 @@ class MessageQueue:
             out["liveness_unknown"] = self._ring.liveness_unknown()
         if self.arena is not None:
             out["arena"] = self.arena.stats()
+        size = getattr(self, "_arena_size", None)  # a writer that sized an arena
+        if size is not None:
+            out["arena_size"] = size.as_dict()
         return out
 
     def shutdown(self) -> None:

@@ -9,7 +9,11 @@ Writer (engine-core process), from ``ShmTensorArena.stats()`` of the writer:
   took the out-of-band path instead;
 * ``vllm:shm_arena_reclaimed_slots_total``: slots recycled once every reader let go;
 * ``vllm:shm_arena_dead_readers_total``: readers found dead (their slots were taken back);
-* ``vllm:shm_arena_slots_in_use``: slots holding a tensor some reader may still read.
+* ``vllm:shm_arena_slots_in_use``: slots holding a tensor some reader may still read;
+* ``vllm:shm_arena_capacity_bytes``: tensor bytes the live arenas can hold (smaller than
+  configured where the shm directory is small: see ``vllm_shm_arena.sizing``);
+* ``vllm:shm_arena_requested_bytes``: what those arenas were configured to hold
+  (``VLLM_SHM_ARENA_MB``, or slots x slot size); above the capacity when one was shrunk.
 
 Readers (worker processes), from a reader's ``stats()``, summed over live processes:
 
@@ -58,6 +62,8 @@ _metrics: _Metrics | None = None
 _unavailable = False
 #: Last cumulative value seen per (key, counter name), to turn totals into increments.
 _last: dict[tuple[str, str], int] = {}
+#: (capacity, requested) bytes of this process's live arenas, by key: the gauges are the sums.
+_sizes: dict[str, tuple[int, int]] = {}
 
 
 def _multiproc_dir() -> str | None:
@@ -106,6 +112,15 @@ class _Metrics:
             prom.Gauge,
             "pending_releases",
             "Arena slots waiting for a reader's H2D copy to finish",
+            **live,
+        )
+        self.capacity = self._make(
+            prom.Gauge, "capacity_bytes", "Tensor bytes the live shm tensor arenas hold", **live
+        )
+        self.requested = self._make(
+            prom.Gauge,
+            "requested_bytes",
+            "Tensor bytes the live shm tensor arenas were configured to hold",
             **live,
         )
 
@@ -236,6 +251,36 @@ def record_reader_stats(stats: Mapping[str, Any], key: str = "reader") -> None:
     m.pending.set(int(stats.get("pending_releases") or 0))
 
 
+@_never_raise
+def record_arena_size(key: str, capacity_bytes: int, requested_bytes: int) -> None:
+    """A writer's arena was created holding ``capacity_bytes`` of tensors out of the
+    ``requested_bytes`` configured: the capacity and requested gauges become the sums over
+    this process's live arenas (``key``: the arena's name). Never raises."""
+    with _lock:
+        _sizes[key] = (int(capacity_bytes), int(requested_bytes))
+    _set_sizes()
+
+
+@_never_raise
+def forget_arena_size(key: str) -> None:
+    """The arena ``key`` is gone: it leaves the capacity and requested gauges. Never raises."""
+    with _lock:
+        if _sizes.pop(key, None) is None:
+            return
+    _set_sizes()
+
+
+def _set_sizes() -> None:
+    m = _get()
+    if m is None:
+        return
+    with _lock:
+        capacity = sum(c for c, _ in _sizes.values())
+        requested = sum(r for _, r in _sizes.values())
+    m.capacity.set(capacity)
+    m.requested.set(requested)
+
+
 def _reset() -> None:
     """Forgets the collectors and the last-seen totals (tests)."""
     global _metrics, _unavailable
@@ -243,3 +288,4 @@ def _reset() -> None:
         _metrics = None
         _unavailable = False
         _last.clear()
+        _sizes.clear()

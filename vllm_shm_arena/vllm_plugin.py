@@ -311,7 +311,10 @@ class ShmArenaMessageQueue(metaclass=_FactoryMeta):
                 ", ".join(unknown),
             )
         elif enable_shm_tensor_arena and all_local:
-            # OSError (e.g. /dev/shm too small) propagates: the user asked for the arena.
+            # A /dev/shm too small for the configured arena does not fail here: our queue then
+            # gets a smaller arena or none (sizing.py) and starts wherever vLLM's would. What
+            # still raises (e.g. the message ring itself does not fit, which vLLM's own queue
+            # could not start with either) propagates.
             mq = ours(
                 n_reader,
                 n_local_reader,
