@@ -64,6 +64,8 @@ _unavailable = False
 _last: dict[tuple[str, str], int] = {}
 #: (capacity, requested) bytes of this process's live arenas, by key: the gauges are the sums.
 _sizes: dict[str, tuple[int, int]] = {}
+#: Keys of arenas gone since the gauges were last set (see forget_arena_size).
+_forgotten: list[str] = []
 
 
 def _multiproc_dir() -> str | None:
@@ -207,6 +209,8 @@ def record_writer_stats(stats: Mapping[str, Any], key: str = "writer") -> None:
         return
     if "hits" not in stats and isinstance(stats.get("arena"), Mapping):
         stats = stats["arena"]
+    if _forgotten:
+        _set_sizes()
     with _lock:
         incs = {
             "hits": _increase(key, "hits", stats.get("hits")),
@@ -263,11 +267,15 @@ def record_arena_size(key: str, capacity_bytes: int, requested_bytes: int) -> No
 
 @_never_raise
 def forget_arena_size(key: str) -> None:
-    """The arena ``key`` is gone: it leaves the capacity and requested gauges. Never raises."""
-    with _lock:
-        if _sizes.pop(key, None) is None:
-            return
-    _set_sizes()
+    """The arena ``key`` is gone: it leaves the capacity and requested gauges (at the next
+    update of any gauge). Never raises, never blocks: it runs from a ``weakref.finalize``,
+    i.e. from any garbage collection, possibly while this thread holds ``_lock``, so it only
+    appends (atomic) to a list that the next holder of the lock drains, and updates the
+    gauges now only when the lock is free."""
+    _forgotten.append(key)
+    if _lock.acquire(blocking=False):
+        _lock.release()
+        _set_sizes()
 
 
 def _set_sizes() -> None:
@@ -275,8 +283,11 @@ def _set_sizes() -> None:
     if m is None:
         return
     with _lock:
-        capacity = sum(c for c, _ in _sizes.values())
-        requested = sum(r for _, r in _sizes.values())
+        while _forgotten:
+            _sizes.pop(_forgotten.pop(), None)
+        sizes = list(_sizes.values())
+        capacity = sum(c for c, _ in sizes)
+        requested = sum(r for _, r in sizes)
     m.capacity.set(capacity)
     m.requested.set(requested)
 

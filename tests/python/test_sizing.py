@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -396,3 +397,23 @@ def test_no_cgroup_files_mean_no_limit(tmp_path):
     proc.write_text("0::/user.slice\n")
     assert sizing.cgroup_memory_available(str(tmp_path / "none"), str(proc)) is None
     assert sizing.cgroup_memory_available(str(tmp_path), str(tmp_path / "missing")) is None
+
+
+def test_forgetting_an_arena_from_a_finalizer_never_blocks_on_the_metrics_lock():
+    """The finalizer runs from any garbage collection, also one inside ``record_writer_stats``
+    while this thread holds the metrics lock (a queue hung there for good)."""
+    metrics._reset()
+    metrics.record_arena_size("gone", 1 << 20, 2 << 20)
+    assert metrics._lock.acquire(timeout=1)
+    try:
+        done = []
+        th = threading.Thread(target=lambda: done.append(metrics.forget_arena_size("gone")))
+        th.start()
+        th.join(5)
+        assert done, "forget_arena_size blocked while the lock was held"
+        metrics.forget_arena_size("gone")  # in the lock-holding thread itself: returns too
+    finally:
+        metrics._lock.release()
+    metrics.record_writer_stats({"hits": 0})
+    assert "gone" not in metrics._sizes
+    metrics._reset()
