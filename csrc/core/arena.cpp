@@ -269,7 +269,8 @@ std::unique_ptr<ArenaWriter> ArenaWriter::create(const ArenaConfig& cfg) {
     h->slot_bytes = cfg.policy == PolicyKind::kFixedSlots ? data_bytes / records : 0;
     // SYNC POINT: relaxed; only this process runs until the name is shared.
     h->writer_pid.store(static_cast<uint64_t>(this_pid()), std::memory_order_relaxed);
-    // SYNC POINT: relaxed; read and bumped only by the (single) writer.
+    // SYNC POINT: relaxed; information for a writer taking over after this one died (see
+    // allocate_locked); the counter that decides is the writer's private next_generation_.
     h->next_generation.store(1, std::memory_order_relaxed);
     h->magic = kArenaMagic;  // last: a half-initialised header never validates
     geo = validate_header(h, region.size(), region.name());
@@ -291,19 +292,49 @@ std::unique_ptr<ArenaWriter> ArenaWriter::attach(const std::string& name, const 
                     std::to_string(h->writer_pid.load(std::memory_order_relaxed)) +
                     "); an arena has exactly one writer");
   }
+  // Generations continue above every one this arena may still show anywhere: the dead
+  // writer's counter (read once; a hint only, any process could have rewritten it), every
+  // published record and every reader's release flag (an old flag equal to a new generation
+  // would read as released at once). Values out of range are garbage and ignored. Decided
+  // before this process claims anything, so a refused takeover leaves the arena as it was.
+  uint8_t* base = region->data();
+  // SYNC POINT: relaxed; the dead writer stored it relaxed and can store nothing more (we hold
+  // its token); it only raises the lower bound.
+  const uint64_t shared_next = h->next_generation.load(std::memory_order_relaxed);
+  uint64_t highest = valid_generation(shared_next) ? shared_next - 1 : 0;
+  for (uint32_t r = 0; r < geo.max_records; ++r) {
+    // SYNC POINT: relaxed; only the value is used, as a bound (the acquire load that pairs with
+    // publish() is the one in the loop below).
+    uint64_t g = record_meta(base, geo, r)->published_gen.load(std::memory_order_relaxed);
+    if (valid_generation(g)) highest = std::max(highest, g);
+    for (uint32_t rank = 0; rank < geo.n_readers; ++rank) {
+      // SYNC POINT: relaxed; only the value is used, as a bound. Live readers keep storing
+      // generations the dead writer handed out, all at most the bound.
+      uint64_t f = released_gen(base, geo, rank, r)->load(std::memory_order_relaxed);
+      if (valid_generation(f)) highest = std::max(highest, f);
+    }
+  }
+  if (highest >= kGenerationLimit - 1) {
+    throw InvalidArgument("arena '" + name + "' has used up its generations (it shows generation " +
+                          std::to_string(highest) + "; they stay below 2^44): create a new arena");
+  }
   // SYNC POINT: release; pairs with nothing that decides anything (the pid is for messages);
   // the token taken above is what makes this process the writer.
   h->writer_pid.store(static_cast<uint64_t>(this_pid()), std::memory_order_release);
   std::unique_ptr<ArenaWriter> w(new ArenaWriter(region, geo, std::move(token)));
+  w->next_generation_ = highest + 1;
+  // SYNC POINT: relaxed; information for a later takeover (see allocate_locked).
+  h->next_generation.store(w->next_generation_, std::memory_order_relaxed);
   // Rebuild the private bookkeeping: every published record stays in use until its readers
   // let go, exactly as if this process had published it. A record whose metadata does not fit
-  // the geometry or collides with another is skipped (shared memory is untrusted input).
+  // the geometry or collides with another, or whose generation is out of range, is skipped
+  // (shared memory is untrusted input).
   for (uint32_t r = 0; r < geo.max_records; ++r) {
     // SYNC POINT: acquire; pairs with the release store in the old writer's publish().
-    uint64_t g = record_meta(region->data(), geo, r)->published_gen.load(std::memory_order_acquire);
-    if (g == 0) continue;
+    uint64_t g = record_meta(base, geo, r)->published_gen.load(std::memory_order_acquire);
+    if (!valid_generation(g)) continue;
     RecordCopy c;
-    if (!read_record(region->data(), geo, r, &c)) continue;
+    if (!read_record(base, geo, r, &c)) continue;
     Placement p{r, c.offset, c.capacity};
     if (!w->policy_->mark_used(p)) continue;
     w->placement_[r] = p;
@@ -437,6 +468,11 @@ std::optional<Allocation> ArenaWriter::allocate_locked(uint64_t nbytes) {
     ++stats_.declined[static_cast<size_t>(DeclineReason::kOversize)];
     return std::nullopt;
   }
+  if (next_generation_ >= kGenerationLimit) {
+    // Every generation a release token can carry is used up: no record can be published again.
+    ++stats_.declined[static_cast<size_t>(DeclineReason::kNoRecord)];
+    return std::nullopt;
+  }
   reclaim_locked(false);
   DeclineReason why = DeclineReason::kNoFreeSlot;
   std::optional<Placement> p = policy_->place(nbytes, &why);
@@ -453,8 +489,13 @@ std::optional<Allocation> ArenaWriter::allocate_locked(uint64_t nbytes) {
     ++stats_.declined[static_cast<size_t>(DeclineReason::kNoSpace)];
     return std::nullopt;
   }
-  // SYNC POINT: relaxed; only the writer touches the counter.
-  uint64_t gen = header()->next_generation.fetch_add(1, std::memory_order_relaxed);
+  // The counter is this process's own: a peer rewriting the shared copy cannot make a
+  // generation repeat (reviving stale stubs) or jump out of range.
+  uint64_t gen = next_generation_++;
+  // SYNC POINT: relaxed; information only, for a writer taking over after this one died (it
+  // reads it once, after taking the writer token, as a lower bound). Nothing reads it while
+  // this writer lives, and this writer never reads it back.
+  header()->next_generation.store(next_generation_, std::memory_order_relaxed);
   RecordMeta* m = record_meta(region_->data(), geo_, p->record);
   m->offset = p->offset;
   m->capacity = p->capacity;
@@ -677,7 +718,8 @@ std::shared_ptr<ArenaReader> ArenaReader::attach(
       // SYNC POINT: acquire; pairs with the release store in ArenaWriter::publish().
       uint64_t g = record_meta(base, geo, r)->published_gen.load(std::memory_order_acquire);
       // SYNC POINT: release; pairs with the writer's acquire load in reader_lets_go().
-      if (g != 0) released_gen(base, geo, rank, r)->store(g, std::memory_order_release);
+      if (valid_generation(g))
+        released_gen(base, geo, rank, r)->store(g, std::memory_order_release);
     }
   }
   // SYNC POINT: relaxed; the pid is for messages, ordered before the state store below.
@@ -705,7 +747,9 @@ uint64_t ArenaReader::published_generation(uint32_t record) const {
                      std::to_string(geo_.max_records) + ")");
   }
   // SYNC POINT: acquire; pairs with the release store in ArenaWriter::publish().
-  return record_meta(region_->data(), geo_, record)->published_gen.load(std::memory_order_acquire);
+  uint64_t g =
+      record_meta(region_->data(), geo_, record)->published_gen.load(std::memory_order_acquire);
+  return valid_generation(g) ? g : 0;  // out of range: garbage, never a publication
 }
 
 const uint8_t* ArenaReader::acquire(uint32_t record, uint64_t generation, uint64_t nbytes,
@@ -718,6 +762,10 @@ const uint8_t* ArenaReader::acquire(uint32_t record, uint64_t generation, uint64
     throw InvalidArgument("arena '" + name() + "' reader rank " + std::to_string(rank_) +
                           " belongs to pid " + std::to_string(owner_pid_) +
                           "; a forked child cannot read through its parent's reader");
+  }
+  if (!valid_generation(generation)) {
+    throw InvalidArgument("generation " + std::to_string(generation) + " for slot " +
+                          std::to_string(record) + " is out of range [1, 2^44)");
   }
   uint8_t* base = region_->data();
   std::lock_guard<std::mutex> lock(mu_);
@@ -784,7 +832,7 @@ void ArenaReader::release(uint32_t record, uint64_t generation) {
 }
 
 void ArenaReader::release_unacquired(uint32_t record, uint64_t generation) {
-  if (record >= geo_.max_records || foreign()) return;
+  if (record >= geo_.max_records || !valid_generation(generation) || foreign()) return;
   uint8_t* base = region_->data();
   std::lock_guard<std::mutex> lock(mu_);
   if (holds_.count(record) != 0) return;  // acquired after all; release() will handle it

@@ -105,8 +105,10 @@ class ArenaWriter {
  public:
   /// Creates a new region sized for `cfg` after checking the shm directory has room.
   static std::unique_ptr<ArenaWriter> create(const ArenaConfig& cfg);
-  /// Takes over an existing arena whose writer has died. Throws TokenHeld (an
-  /// InvalidArgument) if the arena still has a live writer.
+  /// Takes over an existing arena whose writer has died; its generations continue above every
+  /// generation the segment shows (header, records, release flags). Throws TokenHeld (an
+  /// InvalidArgument) if the arena still has a live writer, InvalidArgument if no generation
+  /// below 2^44 is left.
   static std::unique_ptr<ArenaWriter> attach(const std::string& name,
                                              const std::string& dir = ShmRegion::default_dir());
   /// Removes the shm name (if still there): the writer owns it. A writer that dies without
@@ -115,6 +117,7 @@ class ArenaWriter {
   ~ArenaWriter();
 
   /// Claims space for `nbytes` (0 allowed), or declines (counted) with nullopt. Never blocks.
+  /// Once the generations below 2^44 are used up every allocation declines (no_record).
   std::optional<Allocation> allocate(uint64_t nbytes);
   /// Makes a filled allocation visible to readers.
   void publish(const Allocation& a);
@@ -194,6 +197,9 @@ class ArenaWriter {
   std::vector<std::chrono::steady_clock::time_point> last_liveness_check_;
   WriterStats stats_;
   bool debug_checksum_ = false;
+  // The next generation to hand out: private, so shared memory can never make one repeat.
+  // The header's next_generation is a copy for a writer taking over (read once, validated).
+  uint64_t next_generation_ = 1;
 };
 
 /// One reader rank of an arena. Thread-safe: tensors may be freed on any thread.

@@ -18,8 +18,11 @@
 //                      | (fixed slots: slot i at i * slot_bytes)                       |
 //                      +---------------------------------------------------------------+
 //
-// Record states. Generations are 64-bit, start at 1 and never repeat within an arena, so a
-// flag left over from an earlier use can never be mistaken for a release of the current one.
+// Record states. Generations start at 1, stay below 2^44 (kGenerationLimit) and never repeat
+// within an arena, so a flag left over from an earlier use can never be mistaken for a release
+// of the current one. The writer counts them in its own memory: the header's next_generation
+// is only a copy for a writer taking over, which continues above every generation the segment
+// shows. Any generation read from shared memory outside [1, 2^44) is garbage and ignored.
 //
 //   FREE ──writer: claim, fill offset/capacity/nbytes, copy bytes──▶ FILLING
 //   FILLING ──writer: published_gen.store(g, release)──▶ PUBLISHED(g)
@@ -65,6 +68,14 @@ constexpr uint64_t kDataAlign = 2ull << 20;  // 2 MiB: huge-page friendly where 
 constexpr uint64_t kAllocAlign = 4096;       // every allocation starts on a page.
 constexpr uint32_t kMaxReaders = 1024;
 constexpr uint32_t kMaxRecords = 1u << 20;
+/// Generations stay below 2^44 (exclusive): a release token packs (generation << 20) | record
+/// into 64 bits. A writer that reaches it declines every allocation.
+constexpr uint64_t kGenerationLimit = 1ull << 44;
+static_assert(kMaxRecords <= (1u << 20) && kGenerationLimit <= (1ull << (64 - 20)),
+              "a generation and a record index must fit one 64-bit release token");
+
+/// Whether a generation (a stub's, or one read from shared memory) can be a real one.
+constexpr bool valid_generation(uint64_t g) { return g != 0 && g < kGenerationLimit; }
 
 enum class PolicyKind : uint32_t { kFixedSlots = 1, kVariable = 2 };
 
@@ -94,7 +105,8 @@ struct ArenaHeader {
   uint64_t data_bytes;
   uint64_t slot_bytes;               // fixed-slot policy: bytes per slot (0 for other policies)
   std::atomic<uint64_t> writer_pid;  // pid of the writer (messages only; the token decides)
-  std::atomic<uint64_t> next_generation;  // generation the writer hands out next
+  // The writer's next generation, for a takeover only (the live writer never reads it).
+  std::atomic<uint64_t> next_generation;
 };
 static_assert(sizeof(ArenaHeader) <= kHeaderBytes, "the header must fit its 4 KiB page");
 

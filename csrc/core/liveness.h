@@ -18,7 +18,13 @@
 //
 // Fork: the token's descriptor is O_CLOEXEC (an exec'd child never holds it) and a
 // pthread_atfork child handler closes every token descriptor in the child, so a forked child
-// never keeps its parent's role alive after the parent dies.
+// never keeps its parent's role alive after the parent dies. A token is opened, locked and
+// registered for that handler, and later unregistered and closed, under the mutex the fork's
+// prepare handler takes, so a fork from another thread never lands between those steps:
+//
+//   take:     [ lock registry │ open │ OFD lock │ register │ unlock ]
+//   release:  [ lock registry │ unregister │ close │ unlock ]
+//   fork():   prepare waits for the registry ─▶ child closes every registered descriptor
 //
 // Probing asks the kernel (F_OFD_GETLK) through a descriptor of the same file that holds no
 // lock on the probed byte: it opens nothing, so it works even when the prober has run out of
@@ -82,6 +88,18 @@ class LivenessToken {
   uint64_t byte_;
   pid_t owner_pid_;
 };
+
+/// Points in a token's life where the test seam is called.
+enum class TokenSeam : uint32_t {
+  kOpened = 0,     ///< take(): the token's descriptor is open, not yet locked
+  kClosing = 1,    ///< ~LivenessToken(): the descriptor is about to be closed
+  kForkWaits = 2,  ///< fork()'s prepare handler waits for a token being taken or closed
+};
+/// A test's callback at a TokenSeam point, with the token's descriptor (-1 for kForkWaits).
+using TokenSeamHook = void (*)(TokenSeam where, int fd);
+/// Test seam: while `hook` is set it is called at every TokenSeam point (null, the default,
+/// calls nothing). Never set outside tests.
+void set_token_seam_for_testing(TokenSeamHook hook);
 
 /// Whether the role at `byte` is held, asked through `fd` (a descriptor of the token file
 /// that holds no lock on `byte`). Never opens a file, never blocks.

@@ -15,7 +15,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -1223,4 +1225,170 @@ TEST_CASE("a segment of another user is refused at attach", "[arena][faults]") {
   } catch (const InvalidArgument& e) {
     CHECK(std::string(e.what()).find("uid 65534") != std::string::npos);
   }
+}
+
+namespace {
+
+ArenaHeader* header_of(ArenaWriter& w) {
+  return reinterpret_cast<ArenaHeader*>(w.region()->data());
+}
+
+// Reader `rank`'s release flag for `record`, through any mapping of the segment.
+std::atomic<uint64_t>* release_flag(uint8_t* base, uint32_t rank, uint32_t record) {
+  auto* h = reinterpret_cast<ArenaHeader*>(base);
+  return reinterpret_cast<std::atomic<uint64_t>*>(base + h->releases_offset +
+                                                  uint64_t{rank} * h->releases_stride) +
+         record;
+}
+
+RecordMeta* record_at(uint8_t* base, uint32_t record) {
+  auto* h = reinterpret_cast<ArenaHeader*>(base);
+  return reinterpret_cast<RecordMeta*>(base + h->records_offset) + record;
+}
+
+// A writer in a child publishes `writes` one-byte records (none released) and dies as a
+// crashed writer would. Returns the arena's name; `gens` gets the generations handed out.
+std::string crashed_writer(const std::string& dir, int writes, std::vector<uint64_t>* gens) {
+  int p[2];
+  REQUIRE(::pipe(p) == 0);
+  pid_t pid = ::fork();
+  if (pid == 0) {
+    ArenaConfig cfg = small_config(1, 4, 4096);
+    cfg.dir = dir;
+    auto w = ArenaWriter::create(cfg);
+    char name[64] = {};
+    std::snprintf(name, sizeof(name), "%s", w->name().c_str());
+    if (::write(p[1], name, sizeof(name)) != sizeof(name)) ::_exit(2);
+    uint8_t v = 9;
+    for (int i = 0; i < writes; ++i) {
+      auto a = w->write(&v, 1);
+      uint64_t g = a ? a->generation : 0;
+      if (::write(p[1], &g, sizeof(g)) != sizeof(g)) ::_exit(2);
+    }
+    ::_exit(0);  // no destructor: the name stays for a takeover
+  }
+  ::close(p[1]);
+  char name[64];
+  REQUIRE(::read(p[0], name, sizeof(name)) == sizeof(name));
+  for (int i = 0; i < writes; ++i) {
+    uint64_t g = 0;
+    REQUIRE(::read(p[0], &g, sizeof(g)) == sizeof(g));
+    gens->push_back(g);
+  }
+  ::close(p[0]);
+  REQUIRE(vsa_test::exited_ok(vsa_test::wait_child(pid)));
+  return name;
+}
+
+}  // namespace
+
+TEST_CASE("a peer rewriting the shared generation counter changes nothing the writer hands out",
+          "[arena][faults]") {
+  vsa_test::TempDir dir;
+  ArenaConfig cfg = small_config(1, 1, 4096);
+  cfg.dir = dir.path();
+  auto sut = ArenaWriter::create(cfg);
+  auto reader = ArenaReader::attach(sut->name(), 0, dir.path());
+  ArenaHeader* h = header_of(*sut);
+  uint8_t v = 1;
+  std::vector<uint64_t> gens;
+  // One slot: every write reuses it once the reader let go, so a repeated generation would
+  // make the previous stub valid again.
+  for (uint64_t peer : {uint64_t{1}, uint64_t{0}, uint64_t{1} << 60, uint64_t{1}, ~uint64_t{0}}) {
+    auto a = sut->write(&v, 1);
+    REQUIRE(a);
+    gens.push_back(a->generation);
+    reader->acquire(a->record, a->generation, 1);
+    reader->release(a->record, a->generation);
+    h->next_generation.store(peer);  // the peer's write
+  }
+  auto last = sut->write(&v, 1);
+  REQUIRE(last);
+  gens.push_back(last->generation);
+  for (size_t i = 0; i < gens.size(); ++i) CHECK(gens[i] == i + 1);
+  // The stub of the previous use of the slot stays stale.
+  CHECK_THROWS_AS(reader->acquire(last->record, gens[gens.size() - 2], 1), InvalidArgument);
+  CHECK(reader->acquire(last->record, last->generation, 1) != nullptr);
+  reader->release(last->record, last->generation);
+}
+
+TEST_CASE("a takeover continues above every generation any record or release flag shows",
+          "[arena][faults]") {
+  vsa_test::TempDir dir;
+  std::vector<uint64_t> gens;
+  const std::string name = crashed_writer(dir.path(), 3, &gens);
+  REQUIRE(gens == std::vector<uint64_t>{1, 2, 3});
+  auto peer = ShmRegion::attach(name, dir.path());
+  uint8_t* base = peer->data();
+  auto* h = reinterpret_cast<ArenaHeader*>(base);
+  // The writer taking over hands out `floor` + 1 first.
+  auto takes_over_above = [&](uint64_t floor) {
+    auto sut = ArenaWriter::attach(name, dir.path());
+    sut->unlink();
+    uint8_t v = 2;
+    auto a = sut->write(&v, 1);
+    REQUIRE(a);
+    CHECK(a->generation == floor + 1);
+    CHECK(a->generation < kGenerationLimit);
+  };
+  SECTION("the shared counter lowered") {
+    h->next_generation.store(1);
+    takes_over_above(3);
+  }
+  SECTION("the shared counter pushed out of range") {
+    h->next_generation.store(1ull << 60);
+    takes_over_above(3);
+  }
+  SECTION("a freed record's release flag above every published generation") {
+    record_at(base, 3)->published_gen.store(0);
+    release_flag(base, 0, 3)->store(1000);
+    h->next_generation.store(2);
+    takes_over_above(1000);
+  }
+  SECTION("a live record above the shared counter") {
+    record_at(base, 2)->published_gen.store(5000);
+    h->next_generation.store(4);
+    takes_over_above(5000);
+  }
+}
+
+TEST_CASE("generations stay below 2^44", "[arena][faults]") {
+  vsa_test::TempDir dir;
+  std::vector<uint64_t> gens;
+  const std::string name = crashed_writer(dir.path(), 2, &gens);
+  auto peer = ShmRegion::attach(name, dir.path());
+  SECTION("the last generation is handed out, then every allocation declines") {
+    record_at(peer->data(), 1)->published_gen.store(kGenerationLimit - 2);
+    auto sut = ArenaWriter::attach(name, dir.path());
+    sut->unlink();
+    uint8_t v = 3;
+    auto a = sut->write(&v, 1);
+    REQUIRE(a);
+    CHECK(a->generation == kGenerationLimit - 1);
+    CHECK_FALSE(sut->write(&v, 1).has_value());
+    CHECK_FALSE(sut->lend(1).has_value());
+    CHECK(declined(sut->stats(), DeclineReason::kNoRecord) == 2);
+  }
+  SECTION("a takeover with no generation left is refused") {
+    record_at(peer->data(), 1)->published_gen.store(kGenerationLimit - 1);
+    CHECK_THROWS_AS(ArenaWriter::attach(name, dir.path()), InvalidArgument);
+    CHECK(::access((dir.path() + "/" + name).c_str(), F_OK) == 0);  // left as it was
+    CHECK(probe_token(peer->fd(), kWriterTokenByte) == Liveness::kDead);
+  }
+  SECTION("readers never accept a generation out of range, whatever shared memory says") {
+    auto reader = ArenaReader::attach(name, 0, dir.path());
+    record_at(peer->data(), 1)->published_gen.store(1ull << 60);
+    CHECK(reader->published_generation(1) == 0);
+    CHECK_THROWS_AS(reader->acquire(1, 1ull << 60, 1), InvalidArgument);
+    reader->release_unacquired(1, 1ull << 60);  // a no-op
+    CHECK(release_flag(peer->data(), 0, 1)->load() == 0);
+    // A writer taking over ignores the garbage generation: the record is not in use.
+    auto sut = ArenaWriter::attach(name, dir.path());
+    sut->unlink();
+    uint8_t v = 4;
+    auto a = sut->write(&v, 1);
+    REQUIRE(a);
+    CHECK(a->generation == gens.back() + 1);
+  }
+  ::unlink((dir.path() + "/" + name).c_str());
 }

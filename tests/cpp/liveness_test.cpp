@@ -9,12 +9,20 @@
 #include <pthread.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <random>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "catch_compat.hpp"
 #include "core/errors.h"
@@ -203,4 +211,136 @@ TEST_CASE("a prober out of file descriptors still gets an answer", "[liveness][f
     ::_exit(0);
   }
   CHECK(vsa_test::exited_ok(vsa_test::wait_child(pid)));
+}
+
+namespace {
+
+// A fork requested from inside a token's take or close, run by another thread. Plain globals:
+// the seam is a plain function pointer.
+struct ForkWindow {
+  std::mutex mu;
+  std::condition_variable cv;
+  enum State { kIdle, kRequested, kForkWaits, kForked, kDone, kQuit } state = kIdle;
+  int fd = -1;        // the token descriptor at the seam
+  pthread_t taker{};  // the thread whose seams request forks
+  std::atomic<bool> armed{false};
+  int leaks = 0;  // children that still had the token's descriptor
+  int rounds = 0;
+  int forks_waited = 0;  // rounds where fork() waited for the take or close to finish
+};
+ForkWindow g_window;
+
+void fork_window_seam(TokenSeam where, int fd) {
+  ForkWindow& w = g_window;
+  if (!w.armed.load()) return;
+  if (where == TokenSeam::kForkWaits) {
+    // The forker thread, inside fork(): the registry is busy with a take or a close.
+    std::lock_guard<std::mutex> lock(w.mu);
+    if (w.state == ForkWindow::kRequested) {
+      w.state = ForkWindow::kForkWaits;
+      ++w.forks_waited;
+      w.cv.notify_all();
+    }
+    return;
+  }
+  if (!pthread_equal(pthread_self(), w.taker)) return;
+  // The taker, between the steps of a take or a close: have the other thread fork now and
+  // wait until that fork has happened or is held off until this step is over.
+  std::unique_lock<std::mutex> lock(w.mu);
+  w.fd = fd;
+  w.state = ForkWindow::kRequested;
+  w.cv.notify_all();
+  w.cv.wait(lock, [&] {
+    return w.state == ForkWindow::kForked || w.state == ForkWindow::kForkWaits ||
+           w.state == ForkWindow::kDone;
+  });
+}
+
+void forker_loop(dev_t dev, ino_t ino) {
+  ForkWindow& w = g_window;
+  for (;;) {
+    int fd;
+    {
+      std::unique_lock<std::mutex> lock(w.mu);
+      w.cv.wait(lock,
+                [&] { return w.state == ForkWindow::kRequested || w.state == ForkWindow::kQuit; });
+      if (w.state == ForkWindow::kQuit) return;
+      fd = w.fd;
+    }
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      // Does this child still have the token's descriptor? Then it keeps the role alive.
+      struct stat st;
+      bool leaked = ::fstat(fd, &st) == 0 && st.st_dev == dev && st.st_ino == ino;
+      ::_exit(leaked ? 1 : 0);
+    }
+    {
+      std::lock_guard<std::mutex> lock(w.mu);
+      if (w.state == ForkWindow::kRequested) w.state = ForkWindow::kForked;
+      w.cv.notify_all();
+    }
+    int status = vsa_test::wait_child(pid);
+    std::lock_guard<std::mutex> lock(w.mu);
+    ++w.rounds;
+    if (!vsa_test::exited_ok(status)) ++w.leaks;
+    w.state = ForkWindow::kDone;
+    w.cv.notify_all();
+  }
+}
+
+struct SeamGuard {
+  SeamGuard() { set_token_seam_for_testing(&fork_window_seam); }
+  ~SeamGuard() {
+    g_window.armed = false;
+    set_token_seam_for_testing(nullptr);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a fork from another thread never inherits a token being taken or dropped",
+          "[liveness][fork][threads]") {
+  const uint32_t seed = vsa_test::seed("liveness_fork_window");
+  std::mt19937 rng(seed);
+  TokenFileFixture f;
+  struct stat st;
+  REQUIRE(::fstat(f.probe_fd, &st) == 0);
+  ForkWindow& w = g_window;
+  w.state = ForkWindow::kIdle;
+  w.leaks = w.rounds = w.forks_waited = 0;
+  w.taker = pthread_self();
+  SeamGuard guard;
+  std::thread forker(forker_loop, st.st_dev, st.st_ino);
+  // Tokens on bytes 0..7, taken and dropped in a seeded order; every take and every drop
+  // runs one fork from the other thread at its seam.
+  std::vector<std::unique_ptr<LivenessToken>> held(8);
+  const int kSteps = 64;
+  for (int i = 0; i < kSteps; ++i) {
+    size_t b = rng() % held.size();
+    w.armed = true;
+    if (held[b]) {
+      held[b].reset();
+    } else {
+      held[b] = LivenessToken::take(f.path, b);
+    }
+    w.armed = false;
+    std::unique_lock<std::mutex> lock(w.mu);
+    w.cv.wait(lock, [&] { return w.state == ForkWindow::kDone; });
+    w.state = ForkWindow::kIdle;
+  }
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    w.state = ForkWindow::kQuit;
+    w.cv.notify_all();
+  }
+  forker.join();
+  INFO("seed " << seed << ": " << w.rounds << " forks, " << w.forks_waited
+               << " held off by the registry");
+  CHECK(w.rounds == kSteps);
+  CHECK(w.leaks == 0);
+  CHECK(w.forks_waited == kSteps);  // each fork really was requested inside a take or close
+  // And from the outside: every role dropped reads dead, every role held alive.
+  for (size_t b = 0; b < held.size(); ++b) {
+    CHECK(probe_token(f.probe_fd, b) == (held[b] ? Liveness::kAlive : Liveness::kDead));
+  }
 }
