@@ -7,9 +7,11 @@ it, so a crash (a negative return code) still names the case that caused it.
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
+import torch
 
 _CHILD = r"""
 import gc, json, pickle, sys
@@ -238,3 +240,34 @@ def test_a_handle_is_checked_against_the_arena_it_names(tmp_path):
     assert torch.equal(r.get_tensor(slot, queued.nbytes, torch.int32, queued.shape), queued)
     r.close()
     w.close()
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    ["count", "length", "short"],
+)
+def test_a_corrupt_blob_gives_a_typed_error_and_is_released(make_arena, corrupt):
+    """A message packed into an arena blob is shared memory another process may rewrite: a
+    count or a frame length that overruns what was written is refused with ValueError, nothing
+    outside the allocation is read, and the allocation is released either way."""
+    import struct
+
+    a = make_arena(n_readers=2, num_slots=2, slot_bytes=1 << 20)
+    w, r, other = a.writer, a.readers[0], a.readers[1]
+    frames = [b"head", b"x" * 1000]
+    slot, gen, nbytes = w._writer.write_frames(frames, 1 << 20)
+    assert [bytes(f) for f in r._reader.read_frames(slot, gen, nbytes)] == frames
+    slot, gen, nbytes = w._writer.write_frames(frames, 1 << 20)
+    view = other.get_tensor(slot, nbytes, torch.uint8, [nbytes], generation=gen)
+    raw = view.numpy()
+    if corrupt == "count":
+        raw[:4] = list(struct.pack("<I", 1 << 30))
+    elif corrupt == "length":
+        raw[4 + 8 : 4 + 16] = list(struct.pack("<Q", 1 << 62))
+    del view, raw  # the other reader rewrote the blob (any process mapping it can)
+    gc.collect()
+    with pytest.raises(ValueError, match="corrupt|overruns|short"):
+        # "short": the stub claims fewer bytes than the framing needs.
+        r._reader.read_frames(slot, gen, 3 if corrupt == "short" else nbytes)
+    assert r.stats()["held"] == 0
+    assert w._writer.write_frames([b"too big"], 4) is None  # over max_bytes: declined
