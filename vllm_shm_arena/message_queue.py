@@ -70,7 +70,9 @@ _SHUTDOWN_GRACE_S = 2.0
 #: flag); beyond that it stops peeking, so the ring's back-pressure still holds.
 _MAX_PEEKED = 64
 #: Flags of a ring marker naming an arena blob that holds the whole message.
-_BLOB_FLAGS = _C.RING_FLAG_OVERFLOW | _C.RING_FLAG_BLOB
+_FLAG_OVERFLOW = _C.RING_FLAG_OVERFLOW
+_FLAG_BLOB = _C.RING_FLAG_BLOB
+_BLOB_FLAGS = _FLAG_OVERFLOW | _FLAG_BLOB
 #: Blobs may hold at most this share of the arena (a slow reader's backlog of overflow
 #: messages must not starve tensors): 1/_BLOB_SHARE of it, split over the most blobs that can
 #: be in flight at once (one per ring chunk, plus one per reader copying one out).
@@ -1006,14 +1008,14 @@ class MessageQueue:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError("timed out waiting for a message")
-                if not self._peeked:
+                peeked = self._peeked
+                if peeked:
+                    status, flags, frames = peeked[0]
+                else:
                     with _NOGIL:
-                        got = self._ring.read(
+                        status, flags, frames = self._ring.read(
                             _WAIT_SLICE_S if left is None else min(_WAIT_SLICE_S, left)
                         )
-                    if got[0] == "ok":
-                        self._peeked.append(got)
-                status, flags, frames = self._peeked[0] if self._peeked else got
                 if status == "ok":
                     arrived = time.perf_counter()
                     break
@@ -1024,20 +1026,23 @@ class MessageQueue:
                 if not indefinite and time.monotonic() - warned_at >= warn_every:
                     warned_at = time.monotonic()
                     logger.warning(_LONG_WAIT_MSG, warned_at - started)
-            # The message stays at the front of _peeked until it is in hand: a wait below that
-            # times out leaves it there for the next call, in order.
-            if flags & _C.RING_FLAG_BLOB:
-                self._peeked.popleft()
-                frames = self._read_blob(frames)
-                self._counters["blob_messages"] += 1
-                self._counters["overflow_messages"] += 1
-            elif flags & _C.RING_FLAG_OVERFLOW:
-                frames = self._recv_socket(self.local_socket, deadline, watch_ring=True)
-                self._peeked.popleft()
-                self._counters["overflow_messages"] += 1
-            else:
-                self._peeked.popleft()
+            if not flags & _FLAG_OVERFLOW:
+                if peeked:
+                    peeked.popleft()
                 self._counters["ring_messages"] += 1
+            else:
+                # The marker stays at the front of _peeked until its message is in hand: a
+                # wait below that times out leaves it there for the next call, in order.
+                if not peeked:
+                    peeked.append(("ok", flags, frames))
+                if flags & _FLAG_BLOB:
+                    peeked.popleft()
+                    frames = self._read_blob(frames)
+                    self._counters["blob_messages"] += 1
+                else:
+                    frames = self._recv_socket(self.local_socket, deadline, watch_ring=True)
+                    peeked.popleft()
+                self._counters["overflow_messages"] += 1
         else:
             frames = self._recv_socket(self.remote_socket, deadline)
             arrived = time.perf_counter()
