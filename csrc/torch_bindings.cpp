@@ -2,19 +2,27 @@
 // in csrc/core and knows no torch; this file turns allocation records into at::Tensors and
 // back. The exported functions are listed, one line each, in PYBIND11_MODULE at the bottom.
 #include <Python.h>
+#include <pthread.h>
+#include <signal.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 #include <unistd.h>
 
 #include <array>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
+#include <utility>
 #include <vector>
+#if defined(__GLIBCXX__)
+#include <cxxabi.h>
+#endif
 
 #include "core/arena.h"
 #include "core/copy_pool.h"
@@ -35,6 +43,87 @@ namespace py = pybind11;
 namespace vllm_shm_arena {
 
 namespace {
+
+// ---------------------------------------------------------------------------------------
+// Calls without the GIL
+//
+// CPython (3.11 to 3.13) ends a thread other than the finalizing one that takes the GIL back
+// once finalization has begun: PyEval_RestoreThread calls pthread_exit, which unwinds the
+// thread's stack with an exception no handler may swallow. Met in a noexcept frame, such as the
+// destructor of py::gil_scoped_release, it aborts the whole process ("terminate called without
+// an active exception"). So no call in this file re-takes the GIL in a destructor: with_nogil
+// runs the GIL-free work and takes the GIL back in ordinary control flow, where that unwind
+// passes up through these frames and pybind11's dispatcher (which rethrows it) and ends only the
+// thread. A thread whose work comes back after finalization has begun does not ask for the GIL
+// at all and parks instead (what CPython 3.14 does to such threads itself): nothing of it
+// unwinds, so nothing it holds is destroyed without the GIL while the interpreter is torn down.
+
+#if defined(__GLIBCXX__)
+/// The exception pthread_exit unwinds a thread with (catch only to clean up, then rethrow).
+using ThreadExit = abi::__forced_unwind;
+#else
+struct ThreadExit {};  // no forced unwind to recognise here: never thrown
+#endif
+
+/// Whether the interpreter has begun finalizing. With the GIL held, true only on the thread
+/// doing it: every other one is stopped before it can hold the GIL again.
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+/// Blocks this thread until the process exits, taking no signal (the others get them).
+[[noreturn]] void park_thread_for_good() {
+  sigset_t all;
+  sigfillset(&all);
+  pthread_sigmask(SIG_BLOCK, &all, nullptr);
+  for (;;) pause();
+}
+
+/// Takes the GIL back after GIL-free work; `finalizer`: this thread was the finalizing one.
+/// Not noexcept, and never called from a destructor: CPython may end the thread inside
+/// PyEval_RestoreThread if finalization begins while it waits.
+void take_gil_back(PyThreadState* saved, bool finalizer) {
+  if (!finalizer && interpreter_finalizing()) park_thread_for_good();
+  PyEval_RestoreThread(saved);
+}
+
+/// Runs `f` (which must not touch Python) with the GIL released, and returns what it returns
+/// or rethrows what it threw, with the GIL held again. Callers holding Python references in
+/// frames above must drop them unreleased on ThreadExit (the thread no longer has the GIL).
+template <class F>
+auto with_nogil(F&& f) -> std::invoke_result_t<F&> {
+  using R = std::invoke_result_t<F&>;
+  const bool finalizer = interpreter_finalizing();
+  PyThreadState* saved = PyEval_SaveThread();
+  std::exception_ptr error;
+  if constexpr (std::is_void_v<R>) {
+    try {
+      f();
+    } catch (const ThreadExit&) {
+      throw;  // this thread ends here, without the GIL
+    } catch (...) {
+      error = std::current_exception();
+    }
+    take_gil_back(saved, finalizer);
+    if (error) std::rethrow_exception(error);
+  } else {
+    std::optional<R> out;
+    try {
+      out.emplace(f());
+    } catch (const ThreadExit&) {
+      throw;  // this thread ends here, without the GIL
+    } catch (...) {
+      error = std::current_exception();
+    }
+    take_gil_back(saved, finalizer);
+    if (error) std::rethrow_exception(error);
+    return std::move(*out);
+  }
+}
 
 const char* kDeclineNames[] = {"too_small", "not_contiguous", "oversize", "no_free_slot",
                                "no_space",  "unsupported",    "no_record"};
@@ -504,6 +593,9 @@ class FrameViews {
     for (Py_buffer& v : views_) PyBuffer_Release(&v);
   }
 
+  /// Forgets the views without releasing them (for a thread that lost the GIL for good).
+  void abandon() { views_.clear(); }
+
   /// Takes frame `index`'s buffer. A frame whose bytes are not one C-contiguous run (a
   /// strided or reversed memoryview) is refused: `buf`/`len` would name other bytes than the
   /// frame's, and a reversed view's `buf` points at its last element.
@@ -580,7 +672,7 @@ class MessageRingWriter {
   /// published instead, and the caller must send the message over the socket).
   std::string write(const py::list& frames, uint32_t flags, double timeout_s) {
     require_owner("write");
-    // Declared before `nogil` below: the views are released with the GIL held again.
+    // Outlives the GIL-free part below: the views are released with the GIL held again.
     FrameViews views(frames.size());
     std::vector<std::pair<const uint8_t*, uint64_t>> spans;
     for (size_t i = 0; i < frames.size(); ++i) {
@@ -593,43 +685,50 @@ class MessageRingWriter {
                             " bytes does not fit a ring chunk of " +
                             std::to_string(writer_->config().max_chunk_bytes));
     }
-    py::gil_scoped_release nogil;
-    uint8_t* chunk = writer_->acquire(timeout_ns(timeout_s));
-    if (chunk == nullptr) return "timeout";
-    // Back the chunk's pages before the first store into them: a full /dev/shm then means
-    // "send it over the socket", not SIGBUS.
-    uint64_t off = static_cast<uint64_t>(chunk - region_->data());
-    uint64_t idx = (writer_->published()) % writer_->config().max_chunks;
-    if (reserved_[idx] < total) {
-      if (!region_->reserve(off, total)) {
-        writer_->publish(0, flags | kRingFlagOverflow | kNoSpaceFlag);
-        return "no_space";
-      }
-      reserved_[idx] = total;
+    try {
+      return with_nogil([&]() -> std::string {
+        uint8_t* chunk = writer_->acquire(timeout_ns(timeout_s));
+        if (chunk == nullptr) return "timeout";
+        // Back the chunk's pages before the first store into them: a full /dev/shm then means
+        // "send it over the socket", not SIGBUS.
+        uint64_t off = static_cast<uint64_t>(chunk - region_->data());
+        uint64_t idx = (writer_->published()) % writer_->config().max_chunks;
+        if (reserved_[idx] < total) {
+          if (!region_->reserve(off, total)) {
+            writer_->publish(0, flags | kRingFlagOverflow | kNoSpaceFlag);
+            return "no_space";
+          }
+          reserved_[idx] = total;
+        }
+        uint8_t* p = chunk;
+        uint32_t count = static_cast<uint32_t>(spans.size());
+        std::memcpy(p, &count, sizeof(count));
+        p += sizeof(count);
+        for (const auto& f : spans) {
+          std::memcpy(p, &f.second, sizeof(uint64_t));
+          p += sizeof(uint64_t);
+        }
+        for (const auto& f : spans) {
+          if (f.second > 0) parallel_copy(p, f.first, f.second, CopyTarget::kShared);
+          p += f.second;
+        }
+        writer_->publish(total, flags);
+        return "ok";
+      });
+    } catch (const ThreadExit&) {
+      views.abandon();  // no GIL any more: the buffers stay exported
+      throw;
     }
-    uint8_t* p = chunk;
-    uint32_t count = static_cast<uint32_t>(spans.size());
-    std::memcpy(p, &count, sizeof(count));
-    p += sizeof(count);
-    for (const auto& f : spans) {
-      std::memcpy(p, &f.second, sizeof(uint64_t));
-      p += sizeof(uint64_t);
-    }
-    for (const auto& f : spans) {
-      if (f.second > 0) parallel_copy(p, f.first, f.second, CopyTarget::kShared);
-      p += f.second;
-    }
-    writer_->publish(total, flags);
-    return "ok";
   }
 
   /// Publishes an empty marker chunk (the message itself travels over the socket).
   bool write_marker(uint32_t flags, double timeout_s) {
     require_owner("write_marker");
-    py::gil_scoped_release nogil;
-    if (writer_->acquire(timeout_ns(timeout_s)) == nullptr) return false;
-    writer_->publish(0, flags);
-    return true;
+    return with_nogil([&] {
+      if (writer_->acquire(timeout_ns(timeout_s)) == nullptr) return false;
+      writer_->publish(0, flags);
+      return true;
+    });
   }
 
   void shutdown() {
@@ -685,12 +784,9 @@ class MessageRingReader {
     const uint8_t* data = nullptr;
     uint64_t nbytes = 0;
     uint32_t flags = 0;
-    RingReader::Status st;
-    {
-      py::gil_scoped_release nogil;
-      st = reader_->acquire(timeout_s < 0 ? -1 : static_cast<int64_t>(timeout_s * kNsPerSec), &data,
-                            &nbytes, &flags);
-    }
+    const int64_t timeout_ns = timeout_s < 0 ? -1 : static_cast<int64_t>(timeout_s * kNsPerSec);
+    RingReader::Status st =
+        with_nogil([&] { return reader_->acquire(timeout_ns, &data, &nbytes, &flags); });
     if (st == RingReader::Status::kTimeout) return py::make_tuple("timeout", 0, py::none());
     if (st == RingReader::Status::kShutdown) return py::make_tuple("shutdown", 0, py::none());
     if (st == RingReader::Status::kWriterDead) {
@@ -716,8 +812,13 @@ class MessageRingReader {
           py::object owned = py::reinterpret_steal<py::object>(ba);
           if (len > 0) {
             char* dst = PyByteArray_AS_STRING(ba);
-            py::gil_scoped_release nogil;
-            parallel_copy(dst, p, len);
+            try {
+              with_nogil([&] { parallel_copy(dst, p, len); });
+            } catch (const ThreadExit&) {
+              owned.release();  // no GIL any more: leave the objects to the dying interpreter
+              frames.release();
+              throw;
+            }
           }
           frames.append(owned);
           p += len;
@@ -772,17 +873,16 @@ at::Tensor tensor_from_buffer(py::object buffer, at::ScalarType dtype,
       PyBuffer_Release(view.get());
       throw;
     }
-    if (expect > 0) {
-      py::gil_scoped_release nogil;
-      parallel_copy(out.data_ptr(), view->buf, expect);
-    }
+    if (expect > 0) with_nogil([&] { parallel_copy(out.data_ptr(), view->buf, expect); });
     PyBuffer_Release(view.get());
     return out;
   }
   void* data = view->buf;
   Py_buffer* raw = view.release();
   auto deleter = [raw](void*) {
-    if (!Py_IsInitialized()) return;  // interpreter gone: leak rather than crash
+    // Interpreter finalizing or gone: leak. Taking the GIL now could end this thread inside
+    // this noexcept frame (see with_nogil).
+    if (!Py_IsInitialized() || interpreter_finalizing()) return;
     py::gil_scoped_acquire gil;
     PyBuffer_Release(raw);
     delete raw;
@@ -964,11 +1064,8 @@ PyObject* reducer_call(PyObject* capsule, PyObject* obj) {
         Py_RETURN_NOTIMPLEMENTED;
       }
       uint64_t working_set = st->dump_copied + nbytes;
-      std::optional<std::tuple<uint32_t, uint64_t>> res;
-      {
-        py::gil_scoped_release nogil;
-        res = st->writer->write_checked(t, working_set);
-      }
+      std::optional<std::tuple<uint32_t, uint64_t>> res =
+          with_nogil([&] { return st->writer->write_checked(t, working_set); });
       if (!res) Py_RETURN_NOTIMPLEMENTED;
       st->dump_copied = working_set;
       std::tie(slot, gen) = *res;
@@ -1054,8 +1151,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // Publishes an unsent loan holding this tensor -> (slot, generation, offset), or None.
       .def("send_loan", &TensorArenaWriter::send_loan, py::arg("tensor"))
       // Copies a tensor into a free slot -> (slot, generation), or None when declined.
-      .def("write_tensor", &TensorArenaWriter::write_tensor, py::arg("tensor"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "write_tensor",
+          [](TensorArenaWriter& w, const at::Tensor& t) {
+            return with_nogil([&] { return w.write_tensor(t); });
+          },
+          py::arg("tensor"))
       // Gives back an allocation whose stub never left this process.
       .def("abort", &TensorArenaWriter::abort, py::arg("slot"), py::arg("generation"))
       // Counts a decline decided in Python, by stats() key.
@@ -1095,8 +1196,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("rebuild", &rebuild_stub, py::arg("slot_idx"), py::arg("generation"), py::arg("nbytes"),
            py::arg("dtype_str"), py::arg("shape"), py::arg("offset"), py::arg("cuda_context"))
       // Releases freed slots whose DMA completed; `stream` is a cudaStream_t as an int.
-      .def("flush_releases", &TensorArenaReader::flush_releases, py::arg("stream") = 0,
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "flush_releases",
+          [](TensorArenaReader& r, uintptr_t stream) {
+            return with_nogil([&] { return r.flush_releases(stream); });
+          },
+          py::arg("stream") = 0)
       // Releases a slot named in a message this reader failed to unpickle.
       .def("release_unacquired", &TensorArenaReader::release_unacquired, py::arg("slot"),
            py::arg("generation"))
@@ -1164,9 +1269,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](at::Tensor& dst, const at::Tensor& src, bool shared) {
         TORCH_CHECK_VALUE(dst.is_contiguous() && src.is_contiguous(), "tensors must be contiguous");
         TORCH_CHECK_VALUE(dst.nbytes() >= src.nbytes(), "dst is smaller than src");
-        py::gil_scoped_release nogil;
-        parallel_copy(dst.data_ptr(), src.data_ptr(), src.nbytes(),
-                      shared ? CopyTarget::kShared : CopyTarget::kLocal);
+        with_nogil([&] {
+          parallel_copy(dst.data_ptr(), src.data_ptr(), src.nbytes(),
+                        shared ? CopyTarget::kShared : CopyTarget::kLocal);
+        });
       },
       py::arg("dst"), py::arg("src"), py::arg("shared") = false);
   // Copies into shared memory stream once a message has written n bytes (0: never).
@@ -1209,11 +1315,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "remove_stale_segments",
       [](const std::string& dir, bool dry_run) {
-        std::vector<SegmentReport> reports;
-        {
-          py::gil_scoped_release nogil;
-          reports = remove_stale_segments(dir, dry_run);
-        }
+        std::vector<SegmentReport> reports =
+            with_nogil([&] { return remove_stale_segments(dir, dry_run); });
         py::list out;
         for (const SegmentReport& r : reports) {
           out.append(py::make_tuple(r.name, r.kind, liveness_name(r.writer), r.removed, r.why));
