@@ -25,6 +25,7 @@
 #endif
 
 #include "core/arena.h"
+#include "core/arena_layout.h"
 #include "core/copy_pool.h"
 #include "core/cuda_shim.h"
 #include "core/errors.h"
@@ -323,6 +324,31 @@ std::vector<Lingering>& lingering() {
   return *list;
 }
 
+// A pinned tensor's release waits in the ReleaseGate as one 64-bit token: the slot in the low
+// kTokenSlotBits bits, the generation above them. Both are checked on the way in, so no bit is
+// ever lost (a truncated generation would release nothing, and the record would never return).
+constexpr unsigned kTokenSlotBits = 20;
+constexpr uint64_t kTokenGenerationLimit = uint64_t{1} << (64 - kTokenSlotBits);
+static_assert(kMaxRecords <= (uint64_t{1} << kTokenSlotBits),
+              "every slot index must fit the slot bits of a release token");
+
+/// The release token of (slot, generation); InvalidArgument when either does not fit.
+uint64_t release_token(uint32_t slot, uint64_t generation) {
+  if (slot >= (uint64_t{1} << kTokenSlotBits) || generation >= kTokenGenerationLimit) {
+    throw InvalidArgument(
+        "slot " + std::to_string(slot) + " generation " + std::to_string(generation) +
+        " does not fit a release token (slot below 2^" + std::to_string(kTokenSlotBits) +
+        ", generation below 2^" + std::to_string(64 - kTokenSlotBits) + ")");
+  }
+  return (generation << kTokenSlotBits) | slot;
+}
+
+/// Gives back the hold a release token (from release_token) stands for.
+void release_by_token(ArenaReader& reader, uint64_t token) {
+  const uint64_t slot_mask = (uint64_t{1} << kTokenSlotBits) - 1;
+  reader.release(static_cast<uint32_t>(token & slot_mask), token >> kTokenSlotBits);
+}
+
 /// Releases what lingering readers may release now: tokens whose recorded event completed.
 /// Tokens without an event are never released here. Finished entries are destroyed.
 void poll_lingering() {
@@ -333,9 +359,7 @@ void poll_lingering() {
     for (size_t i = 0; i < list.size();) {
       Lingering& l = list[i];
       auto reader = l.reader;
-      l.gate->poll([reader](uint64_t token) {
-        reader->release(static_cast<uint32_t>(token & ((1u << 20) - 1)), token >> 20);
-      });
+      l.gate->poll([reader](uint64_t token) { release_by_token(*reader, token); });
       if (l.gate->pending() == 0) {
         done.push_back(std::move(l));
         list[i] = std::move(list.back());
@@ -429,6 +453,7 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
                             std::to_string(reader_->max_allocation()) + " bytes)");
     }
     if (generation == 0) generation = reader_->published_generation(slot);
+    const uint64_t token = release_token(slot, generation);  // refused before anything is held
     const uint8_t* p = reader_->acquire(slot, generation, nbytes, offset);
     bool gated = false;
     try {
@@ -438,7 +463,6 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
       throw;
     }
     auto self = shared_from_this();
-    uint64_t token = (generation << 20) | slot;
     pid_t owner = owner_pid_;
     auto deleter = [self, slot, generation, token, gated, owner](void*) {
       if (::getpid() != owner) return;  // a forked child's copy: the hold is its parent's
@@ -468,9 +492,8 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
     }
     if (!gate) return 0;
     auto reader = reader_;
-    return gate->flush(reinterpret_cast<void*>(stream), [reader](uint64_t token) {
-      reader->release(static_cast<uint32_t>(token & ((1u << 20) - 1)), token >> 20);
-    });
+    return gate->flush(reinterpret_cast<void*>(stream),
+                       [reader](uint64_t token) { release_by_token(*reader, token); });
   }
 
   void release_unacquired(uint32_t slot, uint64_t generation) {
