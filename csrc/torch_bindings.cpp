@@ -531,7 +531,9 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
                           g.policy == PolicyKind::kVariable ? "variable" : "fixed");
   }
   std::string writer_liveness() const { return liveness_name(reader_->writer_liveness()); }
-  void detach() { reader_->detach(); }
+  // No detach(): the rank is given up only when the core reader dies, which every tensor
+  // handed out (and every gated release) keeps alive. Detaching earlier would let the writer
+  // recycle memory those tensors still view.
 
  private:
   // Pins the chunks under [p, p+n) on first use; true when the range is pinned (and its
@@ -1232,8 +1234,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stats", &TensorArenaReader::stats)
       // Whether [offset, offset+len) of the region is page-locked.
       .def("is_pinned", &TensorArenaReader::is_pinned)
-      // Stops the writer waiting for this rank (also done when the object dies).
-      .def("detach", &TensorArenaReader::detach)
       // (n_readers, num_slots, slot_bytes, policy) from the validated header.
       .def("geometry", &TensorArenaReader::geometry)
       // "alive" | "dead" | "unknown": the arena writer's liveness token.
