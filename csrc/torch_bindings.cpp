@@ -2,21 +2,30 @@
 // in csrc/core and knows no torch; this file turns allocation records into at::Tensors and
 // back. The exported functions are listed, one line each, in PYBIND11_MODULE at the bottom.
 #include <Python.h>
+#include <pthread.h>
+#include <signal.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 #include <unistd.h>
 
 #include <array>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <unordered_map>
+#include <utility>
 #include <vector>
+#if defined(__GLIBCXX__)
+#include <cxxabi.h>
+#endif
 
 #include "core/arena.h"
+#include "core/arena_layout.h"
 #include "core/copy_pool.h"
 #include "core/cuda_shim.h"
 #include "core/errors.h"
@@ -36,6 +45,87 @@ namespace py = pybind11;
 namespace vllm_shm_arena {
 
 namespace {
+
+// ---------------------------------------------------------------------------------------
+// Calls without the GIL
+//
+// CPython (3.11 to 3.13) ends a thread other than the finalizing one that takes the GIL back
+// once finalization has begun: PyEval_RestoreThread calls pthread_exit, which unwinds the
+// thread's stack with an exception no handler may swallow. Met in a noexcept frame, such as the
+// destructor of py::gil_scoped_release, it aborts the whole process ("terminate called without
+// an active exception"). So no call in this file re-takes the GIL in a destructor: with_nogil
+// runs the GIL-free work and takes the GIL back in ordinary control flow, where that unwind
+// passes up through these frames and pybind11's dispatcher (which rethrows it) and ends only the
+// thread. A thread whose work comes back after finalization has begun does not ask for the GIL
+// at all and parks instead (what CPython 3.14 does to such threads itself): nothing of it
+// unwinds, so nothing it holds is destroyed without the GIL while the interpreter is torn down.
+
+#if defined(__GLIBCXX__)
+/// The exception pthread_exit unwinds a thread with (catch only to clean up, then rethrow).
+using ThreadExit = abi::__forced_unwind;
+#else
+struct ThreadExit {};  // no forced unwind to recognise here: never thrown
+#endif
+
+/// Whether the interpreter has begun finalizing. With the GIL held, true only on the thread
+/// doing it: every other one is stopped before it can hold the GIL again.
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+/// Blocks this thread until the process exits, taking no signal (the others get them).
+[[noreturn]] void park_thread_for_good() {
+  sigset_t all;
+  sigfillset(&all);
+  pthread_sigmask(SIG_BLOCK, &all, nullptr);
+  for (;;) pause();
+}
+
+/// Takes the GIL back after GIL-free work; `finalizer`: this thread was the finalizing one.
+/// Not noexcept, and never called from a destructor: CPython may end the thread inside
+/// PyEval_RestoreThread if finalization begins while it waits.
+void take_gil_back(PyThreadState* saved, bool finalizer) {
+  if (!finalizer && interpreter_finalizing()) park_thread_for_good();
+  PyEval_RestoreThread(saved);
+}
+
+/// Runs `f` (which must not touch Python) with the GIL released, and returns what it returns
+/// or rethrows what it threw, with the GIL held again. Callers holding Python references in
+/// frames above must drop them unreleased on ThreadExit (the thread no longer has the GIL).
+template <class F>
+auto with_nogil(F&& f) -> std::invoke_result_t<F&> {
+  using R = std::invoke_result_t<F&>;
+  const bool finalizer = interpreter_finalizing();
+  PyThreadState* saved = PyEval_SaveThread();
+  std::exception_ptr error;
+  if constexpr (std::is_void_v<R>) {
+    try {
+      f();
+    } catch (const ThreadExit&) {
+      throw;  // this thread ends here, without the GIL
+    } catch (...) {
+      error = std::current_exception();
+    }
+    take_gil_back(saved, finalizer);
+    if (error) std::rethrow_exception(error);
+  } else {
+    std::optional<R> out;
+    try {
+      out.emplace(f());
+    } catch (const ThreadExit&) {
+      throw;  // this thread ends here, without the GIL
+    } catch (...) {
+      error = std::current_exception();
+    }
+    take_gil_back(saved, finalizer);
+    if (error) std::rethrow_exception(error);
+    return std::move(*out);
+  }
+}
 
 const char* kDeclineNames[] = {"too_small", "not_contiguous", "oversize", "no_free_slot",
                                "no_space",  "unsupported",    "no_record"};
@@ -237,6 +327,31 @@ std::vector<Lingering>& lingering() {
   return *list;
 }
 
+// A pinned tensor's release waits in the ReleaseGate as one 64-bit token: the slot in the low
+// kTokenSlotBits bits, the generation above them. Both are checked on the way in, so no bit is
+// ever lost (a truncated generation would release nothing, and the record would never return).
+constexpr unsigned kTokenSlotBits = 20;
+constexpr uint64_t kTokenGenerationLimit = uint64_t{1} << (64 - kTokenSlotBits);
+static_assert(kMaxRecords <= (uint64_t{1} << kTokenSlotBits),
+              "every slot index must fit the slot bits of a release token");
+
+/// The release token of (slot, generation); InvalidArgument when either does not fit.
+uint64_t release_token(uint32_t slot, uint64_t generation) {
+  if (slot >= (uint64_t{1} << kTokenSlotBits) || generation >= kTokenGenerationLimit) {
+    throw InvalidArgument(
+        "slot " + std::to_string(slot) + " generation " + std::to_string(generation) +
+        " does not fit a release token (slot below 2^" + std::to_string(kTokenSlotBits) +
+        ", generation below 2^" + std::to_string(64 - kTokenSlotBits) + ")");
+  }
+  return (generation << kTokenSlotBits) | slot;
+}
+
+/// Gives back the hold a release token (from release_token) stands for.
+void release_by_token(ArenaReader& reader, uint64_t token) {
+  const uint64_t slot_mask = (uint64_t{1} << kTokenSlotBits) - 1;
+  reader.release(static_cast<uint32_t>(token & slot_mask), token >> kTokenSlotBits);
+}
+
 /// Releases what lingering readers may release now: tokens whose recorded event completed.
 /// Tokens without an event are never released here. Finished entries are destroyed.
 void poll_lingering() {
@@ -247,9 +362,7 @@ void poll_lingering() {
     for (size_t i = 0; i < list.size();) {
       Lingering& l = list[i];
       auto reader = l.reader;
-      l.gate->poll([reader](uint64_t token) {
-        reader->release(static_cast<uint32_t>(token & ((1u << 20) - 1)), token >> 20);
-      });
+      l.gate->poll([reader](uint64_t token) { release_by_token(*reader, token); });
       if (l.gate->pending() == 0) {
         done.push_back(std::move(l));
         list[i] = std::move(list.back());
@@ -343,6 +456,7 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
                             std::to_string(reader_->max_allocation()) + " bytes)");
     }
     if (generation == 0) generation = reader_->published_generation(slot);
+    const uint64_t token = release_token(slot, generation);  // refused before anything is held
     const uint8_t* p = reader_->acquire(slot, generation, nbytes, offset);
     bool gated = false;
     try {
@@ -352,7 +466,6 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
       throw;
     }
     auto self = shared_from_this();
-    uint64_t token = (generation << 20) | slot;
     pid_t owner = owner_pid_;
     auto deleter = [self, slot, generation, token, gated, owner](void*) {
       if (::getpid() != owner) return;  // a forked child's copy: the hold is its parent's
@@ -382,9 +495,8 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
     }
     if (!gate) return 0;
     auto reader = reader_;
-    return gate->flush(reinterpret_cast<void*>(stream), [reader](uint64_t token) {
-      reader->release(static_cast<uint32_t>(token & ((1u << 20) - 1)), token >> 20);
-    });
+    return gate->flush(reinterpret_cast<void*>(stream),
+                       [reader](uint64_t token) { release_by_token(*reader, token); });
   }
 
   /// The core reader (for the message framing below, which copies out of an allocation).
@@ -425,7 +537,9 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
                           g.policy == PolicyKind::kVariable ? "variable" : "fixed");
   }
   std::string writer_liveness() const { return liveness_name(reader_->writer_liveness()); }
-  void detach() { reader_->detach(); }
+  // No detach(): the rank is given up only when the core reader dies, which every tensor
+  // handed out (and every gated release) keeps alive. Detaching earlier would let the writer
+  // recycle memory those tensors still view.
 
  private:
   // Pins the chunks under [p, p+n) on first use; true when the range is pinned (and its
@@ -539,8 +653,13 @@ py::list unpack_frames(const uint8_t* data, uint64_t nbytes) {
     py::object owned = py::reinterpret_steal<py::object>(ba);
     if (len > 0) {
       char* dst = PyByteArray_AS_STRING(ba);
-      py::gil_scoped_release nogil;
-      parallel_copy(dst, p, len);
+      try {
+        with_nogil([&] { parallel_copy(dst, p, len); });
+      } catch (const ThreadExit&) {
+        owned.release();  // no GIL any more: leave the objects to the dying interpreter
+        frames.release();
+        throw;
+      }
     }
     frames.append(owned);
     p += len;
@@ -561,6 +680,9 @@ class FrameViews {
   ~FrameViews() {
     for (Py_buffer& v : views_) PyBuffer_Release(&v);
   }
+
+  /// Forgets the views without releasing them (for a thread that lost the GIL for good).
+  void abandon() { views_.clear(); }
 
   /// Takes frame `index`'s buffer. A frame whose bytes are not one C-contiguous run (a
   /// strided or reversed memoryview) is refused: `buf`/`len` would name other bytes than the
@@ -602,18 +724,25 @@ FrameSpans frame_spans(const py::list& frames, FrameViews& views) {
 /// overflow marker names) -> (slot, generation, nbytes), or None when the arena declines or
 /// the message is larger than `max_bytes`. Published when this returns: readers copy it out
 /// with arena_read_frames and release it at once.
-std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> arena_write_frames(
-    TensorArenaWriter& self, const py::list& frames, uint64_t max_bytes) {
+std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> arena_write_frames(TensorArenaWriter& self,
+                                                                           const py::list& frames,
+                                                                           uint64_t max_bytes) {
   FrameViews views(frames.size());
   FrameSpans spans = frame_spans(frames, views);
   uint64_t total = packed_size(spans);
   if (total > max_bytes) return std::nullopt;
-  py::gil_scoped_release nogil;
-  std::optional<Allocation> a = self.core().allocate(total);
-  if (!a) return std::nullopt;
-  pack_frames(a->data, spans);
-  self.core().publish(*a);
-  return std::make_tuple(a->record, a->generation, total);
+  try {
+    return with_nogil([&]() -> std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> {
+      std::optional<Allocation> a = self.core().allocate(total);
+      if (!a) return std::nullopt;
+      pack_frames(a->data, spans);
+      self.core().publish(*a);
+      return std::make_tuple(a->record, a->generation, total);
+    });
+  } catch (const ThreadExit&) {
+    views.abandon();  // no GIL any more: the buffers stay exported
+    throw;
+  }
 }
 
 /// A blob's frames, copied out (see arena_write_frames); the allocation is released before
@@ -629,6 +758,10 @@ py::list arena_read_frames(TensorArenaReader& self, uint32_t slot, uint64_t gene
   py::list frames;
   try {
     frames = unpack_frames(p, nbytes);
+  } catch (const ThreadExit&) {
+    frames.release();  // no GIL any more: leave the object to the dying interpreter
+    r.release(slot, generation);
+    throw;
   } catch (...) {
     r.release(slot, generation);
     throw;
@@ -688,7 +821,7 @@ class MessageRingWriter {
   /// published instead, and the caller must send the message over the socket).
   std::string write(const py::list& frames, uint32_t flags, double timeout_s) {
     require_owner("write");
-    // Declared before `nogil` below: the views are released with the GIL held again.
+    // Outlives the GIL-free part below: the views are released with the GIL held again.
     FrameViews views(frames.size());
     FrameSpans spans = frame_spans(frames, views);
     uint64_t total = packed_size(spans);
@@ -697,34 +830,41 @@ class MessageRingWriter {
                             " bytes does not fit a ring chunk of " +
                             std::to_string(writer_->config().max_chunk_bytes));
     }
-    py::gil_scoped_release nogil;
-    uint8_t* chunk = take_chunk(timeout_s);
-    if (chunk == nullptr) return "timeout";
-    // Back the chunk's pages before the first store into them: a full /dev/shm then means
-    // "send it over the socket", not SIGBUS.
-    uint64_t off = static_cast<uint64_t>(chunk - region_->data());
-    uint64_t idx = (writer_->published()) % writer_->config().max_chunks;
-    if (reserved_[idx] < total) {
-      if (!region_->reserve(off, total)) {
-        // The caller's flags described the message that did not fit; the marker says only
-        // "on the socket".
-        writer_->publish(0, kRingFlagOverflow | kNoSpaceFlag);
-        return "no_space";
-      }
-      reserved_[idx] = total;
+    try {
+      return with_nogil([&]() -> std::string {
+        uint8_t* chunk = take_chunk(timeout_s);
+        if (chunk == nullptr) return "timeout";
+        // Back the chunk's pages before the first store into them: a full /dev/shm then means
+        // "send it over the socket", not SIGBUS.
+        uint64_t off = static_cast<uint64_t>(chunk - region_->data());
+        uint64_t idx = (writer_->published()) % writer_->config().max_chunks;
+        if (reserved_[idx] < total) {
+          if (!region_->reserve(off, total)) {
+            // The caller's flags described the message that did not fit; the marker says
+            // only "on the socket".
+            writer_->publish(0, kRingFlagOverflow | kNoSpaceFlag);
+            return "no_space";
+          }
+          reserved_[idx] = total;
+        }
+        pack_frames(chunk, spans);
+        writer_->publish(total, flags);
+        return "ok";
+      });
+    } catch (const ThreadExit&) {
+      views.abandon();  // no GIL any more: the buffers stay exported
+      throw;
     }
-    pack_frames(chunk, spans);
-    writer_->publish(total, flags);
-    return "ok";
   }
 
   /// Publishes an empty marker chunk (the message itself travels over the socket).
   bool write_marker(uint32_t flags, double timeout_s) {
     require_owner("write_marker");
-    py::gil_scoped_release nogil;
-    if (take_chunk(timeout_s) == nullptr) return false;
-    writer_->publish(0, flags);
-    return true;
+    return with_nogil([&] {
+      if (take_chunk(timeout_s) == nullptr) return false;
+      writer_->publish(0, flags);
+      return true;
+    });
   }
 
   /// Waits up to `timeout_s` for the next chunk to be free and keeps it for the next write or
@@ -734,8 +874,7 @@ class MessageRingWriter {
   bool reserve(double timeout_s) {
     require_owner("reserve");
     if (reserved_chunk_ != nullptr) return true;
-    py::gil_scoped_release nogil;
-    reserved_chunk_ = writer_->acquire(timeout_ns(timeout_s));
+    reserved_chunk_ = with_nogil([&] { return writer_->acquire(timeout_ns(timeout_s)); });
     return reserved_chunk_ != nullptr;
   }
 
@@ -802,12 +941,9 @@ class MessageRingReader {
     const uint8_t* data = nullptr;
     uint64_t nbytes = 0;
     uint32_t flags = 0;
-    RingReader::Status st;
-    {
-      py::gil_scoped_release nogil;
-      st = reader_->acquire(timeout_s < 0 ? -1 : static_cast<int64_t>(timeout_s * kNsPerSec), &data,
-                            &nbytes, &flags);
-    }
+    const int64_t timeout_ns = timeout_s < 0 ? -1 : static_cast<int64_t>(timeout_s * kNsPerSec);
+    RingReader::Status st =
+        with_nogil([&] { return reader_->acquire(timeout_ns, &data, &nbytes, &flags); });
     if (st == RingReader::Status::kTimeout) return py::make_tuple("timeout", 0, py::none());
     if (st == RingReader::Status::kShutdown) return py::make_tuple("shutdown", 0, py::none());
     if (st == RingReader::Status::kWriterDead) {
@@ -816,6 +952,10 @@ class MessageRingReader {
     py::list frames;
     try {
       frames = unpack_frames(data, nbytes);
+    } catch (const ThreadExit&) {
+      frames.release();  // no GIL any more: leave the object to the dying interpreter
+      reader_->release();
+      throw;
     } catch (...) {
       reader_->release();
       throw;
@@ -864,17 +1004,16 @@ at::Tensor tensor_from_buffer(py::object buffer, at::ScalarType dtype,
       PyBuffer_Release(view.get());
       throw;
     }
-    if (expect > 0) {
-      py::gil_scoped_release nogil;
-      parallel_copy(out.data_ptr(), view->buf, expect);
-    }
+    if (expect > 0) with_nogil([&] { parallel_copy(out.data_ptr(), view->buf, expect); });
     PyBuffer_Release(view.get());
     return out;
   }
   void* data = view->buf;
   Py_buffer* raw = view.release();
   auto deleter = [raw](void*) {
-    if (!Py_IsInitialized()) return;  // interpreter gone: leak rather than crash
+    // Interpreter finalizing or gone: leak. Taking the GIL now could end this thread inside
+    // this noexcept frame (see with_nogil).
+    if (!Py_IsInitialized() || interpreter_finalizing()) return;
     py::gil_scoped_acquire gil;
     PyBuffer_Release(raw);
     delete raw;
@@ -1056,11 +1195,8 @@ PyObject* reducer_call(PyObject* capsule, PyObject* obj) {
         Py_RETURN_NOTIMPLEMENTED;
       }
       uint64_t working_set = st->dump_copied + nbytes;
-      std::optional<std::tuple<uint32_t, uint64_t>> res;
-      {
-        py::gil_scoped_release nogil;
-        res = st->writer->write_checked(t, working_set);
-      }
+      std::optional<std::tuple<uint32_t, uint64_t>> res =
+          with_nogil([&] { return st->writer->write_checked(t, working_set); });
       if (!res) Py_RETURN_NOTIMPLEMENTED;
       st->dump_copied = working_set;
       std::tie(slot, gen) = *res;
@@ -1146,8 +1282,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // Publishes an unsent loan holding this tensor -> (slot, generation, offset), or None.
       .def("send_loan", &TensorArenaWriter::send_loan, py::arg("tensor"))
       // Copies a tensor into a free slot -> (slot, generation), or None when declined.
-      .def("write_tensor", &TensorArenaWriter::write_tensor, py::arg("tensor"),
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "write_tensor",
+          [](TensorArenaWriter& w, const at::Tensor& t) {
+            return with_nogil([&] { return w.write_tensor(t); });
+          },
+          py::arg("tensor"))
       // Gives back an allocation whose stub never left this process.
       // Packs a message's frames into one allocation (a blob) -> (slot, generation, nbytes) or
       // None (declined, or over max_bytes); published on return.
@@ -1190,8 +1330,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("rebuild", &rebuild_stub, py::arg("slot_idx"), py::arg("generation"), py::arg("nbytes"),
            py::arg("dtype_str"), py::arg("shape"), py::arg("offset"), py::arg("cuda_context"))
       // Releases freed slots whose DMA completed; `stream` is a cudaStream_t as an int.
-      .def("flush_releases", &TensorArenaReader::flush_releases, py::arg("stream") = 0,
-           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "flush_releases",
+          [](TensorArenaReader& r, uintptr_t stream) {
+            return with_nogil([&] { return r.flush_releases(stream); });
+          },
+          py::arg("stream") = 0)
       // Releases a slot named in a message this reader failed to unpickle.
       // A blob's frames copied out as bytearrays; the allocation is released on return.
       .def("read_frames", &arena_read_frames, py::arg("slot"), py::arg("generation"),
@@ -1202,8 +1346,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stats", &TensorArenaReader::stats)
       // Whether [offset, offset+len) of the region is page-locked.
       .def("is_pinned", &TensorArenaReader::is_pinned)
-      // Stops the writer waiting for this rank (also done when the object dies).
-      .def("detach", &TensorArenaReader::detach)
       // (n_readers, num_slots, slot_bytes, policy) from the validated header.
       .def("geometry", &TensorArenaReader::geometry)
       // "alive" | "dead" | "unknown": the arena writer's liveness token.
@@ -1281,9 +1423,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       [](at::Tensor& dst, const at::Tensor& src, bool shared) {
         TORCH_CHECK_VALUE(dst.is_contiguous() && src.is_contiguous(), "tensors must be contiguous");
         TORCH_CHECK_VALUE(dst.nbytes() >= src.nbytes(), "dst is smaller than src");
-        py::gil_scoped_release nogil;
-        parallel_copy(dst.data_ptr(), src.data_ptr(), src.nbytes(),
-                      shared ? CopyTarget::kShared : CopyTarget::kLocal);
+        with_nogil([&] {
+          parallel_copy(dst.data_ptr(), src.data_ptr(), src.nbytes(),
+                        shared ? CopyTarget::kShared : CopyTarget::kLocal);
+        });
       },
       py::arg("dst"), py::arg("src"), py::arg("shared") = false);
   // Copies into shared memory stream once a message has written n bytes (0: never).
@@ -1326,11 +1469,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "remove_stale_segments",
       [](const std::string& dir, bool dry_run) {
-        std::vector<SegmentReport> reports;
-        {
-          py::gil_scoped_release nogil;
-          reports = remove_stale_segments(dir, dry_run);
-        }
+        std::vector<SegmentReport> reports =
+            with_nogil([&] { return remove_stale_segments(dir, dry_run); });
         py::list out;
         for (const SegmentReport& r : reports) {
           out.append(py::make_tuple(r.name, r.kind, liveness_name(r.writer), r.removed, r.why));

@@ -5,12 +5,14 @@
 * ``tensor_from_buffer`` aliases writable buffers (ZeroMQ frames, bytearrays) and copies
   read-only ones (``bytes``) once, so an in-place op never mutates an immutable object.
 * ``set_copy_readers``: the queue's writer leaves its local readers their CPUs.
+* ``ArenaReader`` offers no early detach: a live tensor's record is never recycled.
 
 Every shared-memory name lives in the test's private directory.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 
 import numpy as np
@@ -18,7 +20,7 @@ import pytest
 import torch
 import zmq
 
-from vllm_shm_arena import MessageQueue
+from vllm_shm_arena import MessageQueue, ShmTensorArena
 from vllm_shm_arena._ext import _C
 from vllm_shm_arena.pickler import dumps, loads
 
@@ -193,3 +195,26 @@ def test_stream_threshold_from_the_environment_is_checked(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode != 0
     assert "VLLM_SHM_ARENA_STREAM_MIN_MB" in out.stderr and "'lots'" in out.stderr
+
+
+def test_no_python_call_lets_the_writer_recycle_a_live_tensors_slot(make_arena, rand, same_bytes):
+    # The rank is given up only when the reader object dies, and every tensor it handed out
+    # keeps it alive: nothing reachable from Python detaches it earlier.
+    a = make_arena(num_slots=1, slot_bytes=1 << 20, attach=False)
+    r = ShmTensorArena.attach(a.writer.handle(), 0)
+    t = rand((1 << 18,), torch.int32)
+    slot, gen = a.writer._write(t)
+    got = r.get_tensor(slot, t.nbytes, t.dtype, t.shape, gen)
+    detach = getattr(r._reader, "detach", None)
+    if detach is not None:
+        detach()
+    r.close()
+    del r, detach
+    gc.collect()
+    a.writer.reclaim(check_liveness=True)
+    assert a.writer.write_tensor(torch.zeros_like(t)) is None, "the live tensor's slot was reused"
+    same_bytes(got, t)
+    del got
+    gc.collect()
+    a.writer.reclaim(check_liveness=True)
+    assert a.writer.write_tensor(torch.zeros_like(t)) is not None  # back once the tensor died

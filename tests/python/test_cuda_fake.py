@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import mmap
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -92,6 +94,47 @@ def test_freed_slot_waits_for_its_event(fake, context):
     assert r.flush_releases(STREAM) == 1
     assert w.write_tensor(torch.zeros(16, dtype=torch.uint8)) is not None
     assert fake.fake_cudart_live_events() <= 1  # pooled, not leaked
+
+
+# ArenaHeader.next_generation (csrc/core/arena_layout.h): the generation the writer hands out
+# next, at this byte offset of the region's first page.
+_NEXT_GENERATION_OFFSET = 96
+
+
+def _set_next_generation(w: ShmTensorArena, gen: int) -> None:
+    h = w.handle()
+    with open(os.path.join(h.dir, h.name), "r+b") as f, mmap.mmap(f.fileno(), 4096) as m:
+        (now,) = struct.unpack_from("<Q", m, _NEXT_GENERATION_OFFSET)
+        assert now == 1, f"not a fresh arena's next_generation ({now}): has the layout moved?"
+        struct.pack_into("<Q", m, _NEXT_GENERATION_OFFSET, gen)
+
+
+def test_a_pinned_release_never_loses_a_large_generation(fake, context):
+    # A pinned tensor's release travels through the event gate as one 64-bit token; a
+    # generation whose bits do not fit must be refused up front, never released as another.
+    w = ShmTensorArena.create(1, num_slots=1, slot_bytes=SLOT)
+    r = ShmTensorArena.attach(w.handle(), 0)
+    _set_next_generation(w, (1 << 44) - 1)
+    w.unlink()
+    t = torch.full((SLOT,), 3, dtype=torch.uint8)
+    slot, gen = w._write(t)
+    assert gen == (1 << 44) - 1  # the largest generation a token holds: works as any other
+    got = r.get_tensor(slot, SLOT, torch.uint8, (SLOT,), generation=gen)
+    assert r.stats()["pinned_bytes"] > 0  # its release goes through the gate
+    del got
+    fake.fake_cudart_complete_all()
+    assert r.flush_releases(STREAM) == 1
+    res = w._write(t)
+    assert res is not None, "the slot did not come back"
+    slot, gen = res
+    assert gen == 1 << 44
+    # One past: refused with the generation named, holding nothing.
+    with pytest.raises(ValueError, match=f"generation {gen}"):
+        r.get_tensor(slot, SLOT, torch.uint8, (SLOT,), generation=gen)
+    assert r.stats()["held"] == 0
+    r._release_unacquired(slot, gen)  # what a reader does with a message it failed to read
+    r.flush_releases(STREAM)
+    assert w._write(t) is not None, "the slot of the refused generation was lost"
 
 
 def test_views_keep_the_slot_until_the_last_dies(fake, context):
