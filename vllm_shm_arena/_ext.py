@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 # pip's defaults rebuild against the environment's torch (the in-tree build backend finds it);
-# --no-cache-dir because pip reuses a wheel it built from the same sdist for another torch.
+# --no-cache-dir so that pip cannot hand back a wheel of ours it cached for another torch.
 _REBUILD_HINT = (
     "rebuild it against the torch in this environment: "
     "pip install --force-reinstall --no-deps --no-cache-dir <what you installed it from> "
