@@ -5,6 +5,7 @@ CLANG_FORMAT := .venv/bin/clang-format
 CXX_SOURCES = $(shell find csrc tests/cpp tests/fake_cudart benchmarks -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cu' 2>/dev/null)
 
 .PHONY: bootstrap bench bench-copy bench-full bench-vs-vllm test lint cpp-test py-test stress sanitize tsan asan gpu-check gpu-bundle vllm-test vllm-queue-tests serve-test format
+.PHONY: wheel compat-test install-test
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -91,3 +92,21 @@ gpu-check:
 gpu-bundle:
 	VLLM_TEST_SETUP_ONLY=1 bash scripts/vllm_test.sh
 	bash scripts/gpu_bundle.sh
+
+# A wheel for the torch in .venv, into dist/. Its version names that torch (0.1.0+torch2.13.0.cpu)
+# and its metadata requires plain `torch`: installing it never swaps the environment's torch, and
+# importing it beside another torch fails with an error naming both versions.
+wheel:
+	VSA_TORCH_LOCAL_VERSION=1 $(PY) -m pip wheel -q --no-build-isolation --no-deps -w dist .
+	@ls -1 dist/*.whl
+
+# Builds and smoke-tests the package against torch 2.11.0, 2.13.0 and 2.14.1, each in a venv of
+# its own under .compat/ (made once; several GB; the first run downloads), installed as a user
+# would (pip install <checkout>). Prints a table. Not part of `test`.
+compat-test:
+	bash scripts/compat_test.sh
+
+# Fresh venvs with torch 2.13.0 from the index: the README's pip install from the checkout, an
+# sdist, --no-build-isolation, uv when installed, and dist/*.whl; prints times and bytes.
+install-test: wheel
+	$(PY) -m pytest -q -s -p no:cacheprovider -m slow tests/python/test_install.py
