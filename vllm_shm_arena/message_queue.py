@@ -121,11 +121,11 @@ def _create_arena(n_readers: int, ring) -> tuple[ShmTensorArena | None, sizing.A
 class _NoGilCalls:
     """Counts threads inside the ``_C`` calls that release the GIL (ring waits, copies).
 
-    A daemon thread still inside such a call when Python finalizes is ended by CPython with
-    ``pthread_exit`` as it takes the GIL back; the forced unwind runs into pybind11's
-    ``noexcept`` ``~gil_scoped_release`` and the process aborts ("terminate called without
-    an active exception"). The exit hook closes this gate, so no new call starts, and waits
-    until no thread is inside one.
+    The bindings already make such a call safe at interpreter exit (a thread coming back
+    after finalization began parks instead of taking the GIL; see ``with_nogil`` in
+    csrc/torch_bindings.cpp). This gate is about the queue: the exit hook closes it, so no
+    new call starts, and waits a bounded time until no thread is inside one, so queues are
+    shut down cleanly (their sockets drained) rather than abandoned mid-call.
     """
 
     def __init__(self) -> None:
