@@ -32,8 +32,10 @@ def main() -> int:
         f"imported {here} (torch {torch.__version__}, _C built for {_ext._C.TORCH_VERSION}, "
         f"C++{_build_info.CXX_STANDARD})"
     )
-    if os.path.abspath(os.getcwd()) in here:
-        print("FAIL: the package came from the current directory, not the environment")
+    if not here.startswith(os.path.realpath(sys.prefix) + os.sep) and not here.startswith(
+        sys.prefix + os.sep
+    ):
+        print(f"FAIL: the package came from {here}, not from the environment {sys.prefix}")
         return 1
 
     w = ShmTensorArena.create(1, 2, 4 << 20)

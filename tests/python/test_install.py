@@ -52,24 +52,32 @@ def _run(cmd, log: Path, env=None, cwd=None) -> tuple[int, float]:
     return rc, time.monotonic() - t0
 
 
-def _downloaded_bytes(log_text: str, cache: Path) -> int:
-    """Bytes fetched from the network: pip's ``Downloading x (N MB)`` lines; for uv, which
-    keeps everything it fetches in its cache, that cache's size (built wheels excluded)."""
+def _downloaded_bytes(log_text: str, cache: Path) -> tuple[int, str]:
+    """Bytes fetched from the network, from pip's ``Downloading x (N MB)`` lines. uv prints no
+    sizes: for it, the size of its cache without our own built package (unpacked, so above
+    what was downloaded)."""
     total = 0.0
     for m in re.finditer(r"Downloading \S+ \(([0-9.]+) (kB|MB|GB)\)", log_text):
         total += float(m.group(1)) * {"kB": 1e3, "MB": 1e6, "GB": 1e9}[m.group(2)]
-    if total == 0 and cache.exists():
-        for root, _dirs, files in os.walk(cache):
-            if "builds" in root or "wheels" in root[len(str(cache)) :].split(os.sep)[:2]:
+    if total or not cache.exists():
+        return int(total), ""
+    for entry in cache.iterdir():
+        for root, dirs, files in os.walk(entry):
+            if "vllm_shm_arena" in dirs or any(f.startswith("vllm_shm_arena") for f in files):
+                dirs[:] = []
                 continue
             total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
-    return int(total)
+    return int(total), " (uv cache, unpacked)"
 
 
 def _torch_version(py: Path) -> str:
-    return subprocess.check_output(
-        [str(py), "-I", "-c", "import torch; print(torch.__version__)"], text=True
-    ).strip()
+    """The environment's torch version, or "none"."""
+    res = subprocess.run(
+        [str(py), "-I", "-c", "import torch; print(torch.__version__)"],
+        capture_output=True,
+        text=True,
+    )
+    return res.stdout.strip() if res.returncode == 0 else "none"
 
 
 def _record(path: str, seconds: float, nbytes: int, outcome: str) -> None:
@@ -106,10 +114,11 @@ def _install(py: Path, label: str, args: list[str], tool: list[str] | None = Non
     rc, secs = _run(cmd, log, env=env, cwd=WORK)
     text = log.read_text()
     after = _torch_version(py)
-    outcome = "ok" if rc == 0 else f"failed (rc {rc})"
+    nbytes, how = _downloaded_bytes(text, cache)
+    outcome = ("ok" if rc == 0 else f"failed (rc {rc})") + how
     if before != after:
         outcome += f"; torch {before} became {after}"
-    _record(label, secs, _downloaded_bytes(text, cache), outcome)
+    _record(label, secs, nbytes, outcome)
     shutil.rmtree(cache, ignore_errors=True)
     assert before == after, f"the install replaced the environment's torch ({before} -> {after})"
     return rc, text
