@@ -73,6 +73,8 @@ _MAX_PEEKED = 64
 _FLAG_OVERFLOW = _C.RING_FLAG_OVERFLOW
 _FLAG_BLOB = _C.RING_FLAG_BLOB
 _BLOB_FLAGS = _FLAG_OVERFLOW | _FLAG_BLOB
+#: The one frame of such a marker: the blob's slot, generation and bytes.
+_BLOB_MARKER = struct.Struct("<QQQ")
 #: Blobs may hold at most this share of the arena (a slow reader's backlog of overflow
 #: messages must not starve tensors): 1/_BLOB_SHARE of it, split over the most blobs that can
 #: be in flight at once (one per ring chunk, plus one per reader copying one out).
@@ -301,11 +303,10 @@ def _report_from_timer(ref: weakref.ref) -> None:
 class _Sending:
     """What one enqueue has committed so far, recorded step by step (see ``_settle``)."""
 
-    __slots__ = ("diverted", "n_frames", "fits", "blob", "ring_seq", "sent", "socket_owed")
+    __slots__ = ("diverted", "fits", "blob", "ring_seq", "sent", "socket_owed")
 
-    def __init__(self, diverted: list, n_frames: int) -> None:
+    def __init__(self, diverted: list) -> None:
         self.diverted = diverted
-        self.n_frames = n_frames
         self.fits = False
         self.blob: tuple[int, int, int] | None = None  # (slot, generation, nbytes)
         self.ring_seq: int | None = None  # ring.published() just before the publish
@@ -573,6 +574,12 @@ class MessageQueue:
         s.connect(addr)
         return s
 
+    def _take_side_lock(self, timeout: float | None, what: str) -> None:
+        """Takes this end's lock within ``timeout`` (None: no limit), or raises TimeoutError
+        naming the ``what`` another thread is in."""
+        if not self._side_lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            raise TimeoutError(f"timed out waiting for another thread's {what} on this queue")
+
     def _connection_lost(self) -> bool:
         """Local readers: whether the connection to the writer's socket dropped (it is never
         re-established)."""
@@ -589,8 +596,7 @@ class MessageQueue:
         wait for that. Afterwards the shm names are unlinked, so nothing is left in
         ``/dev/shm`` even if every process is killed."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._side_lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
-            raise TimeoutError("timed out waiting for another thread's call on this queue")
+        self._take_side_lock(timeout, "call")
         try:
             self._wait_until_ready_locked(deadline)
         finally:
@@ -673,8 +679,7 @@ class MessageQueue:
             raise RuntimeError("only the writer can enqueue")
         deadline = None if timeout is None else time.monotonic() + timeout
         self._check_can_send()
-        if not self._side_lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
-            raise TimeoutError("timed out waiting for another thread's enqueue on this queue")
+        self._take_side_lock(timeout, "enqueue")
         try:
             self._check_can_send()
             if self.serialize_inband:
@@ -683,7 +688,7 @@ class MessageQueue:
                 with _NOGIL:  # the arena copy releases the GIL
                     dumped = dump_message(obj, self.arena)
             frames = [_diverted_header(dumped.diverted), dumped.data, *dumped.buffers]
-            sending = _Sending(dumped.diverted, len(frames))
+            sending = _Sending(dumped.diverted)
             try:
                 self._send(frames, deadline, sending)
             except BaseException as e:
@@ -737,7 +742,7 @@ class MessageQueue:
                 status = ring.write(frames, 0, 0.0)
         elif sending.blob is not None:
             with _NOGIL:
-                status = ring.write([struct.pack("<QQQ", *sending.blob)], _BLOB_FLAGS, 0.0)
+                status = ring.write([_BLOB_MARKER.pack(*sending.blob)], _BLOB_FLAGS, 0.0)
             if status == "ok":
                 self._counters["overflow_messages"] += 1
                 self._counters["blob_messages"] += 1
@@ -984,8 +989,7 @@ class MessageQueue:
         if self._is_writer:
             raise RuntimeError("the writer cannot dequeue")
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._side_lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
-            raise TimeoutError("timed out waiting for another thread's dequeue on this queue")
+        self._take_side_lock(timeout, "dequeue")
         try:
             return self._dequeue_locked(deadline, indefinite)
         finally:
@@ -1061,9 +1065,9 @@ class MessageQueue:
                 "the ring announced a message in the tensor arena, but this reader has no "
                 "arena attached (a queue handle without its arena handle?)"
             )
-        if len(marker_frames) != 1 or len(marker_frames[0]) != 24:
+        if len(marker_frames) != 1 or len(marker_frames[0]) != _BLOB_MARKER.size:
             raise RuntimeError("corrupt blob marker in the message ring")
-        slot, gen, nbytes = struct.unpack("<QQQ", marker_frames[0])
+        slot, gen, nbytes = _BLOB_MARKER.unpack(marker_frames[0])
         return self.arena._require_reader().read_frames(slot, gen, nbytes)
 
     def _recv_socket(self, sock, deadline, watch_ring: bool = False):
