@@ -46,6 +46,11 @@
 set -euo pipefail
 
 PREFIX=${PREFIX:-vsa}
+# It also names the nft table: letters and digits only.
+[[ $PREFIX =~ ^[A-Za-z][A-Za-z0-9]{0,30}$ ]] || {
+  echo "netns_nodes: PREFIX='$PREFIX': use letters and digits (at most 31)" >&2
+  exit 1
+}
 STATE=/run/$PREFIX-nodes
 NODES=(0 1)
 Q_NET=10.77.0
@@ -241,8 +246,10 @@ up() {
   fi
   trap - EXIT
   has_nft || echo "netns_nodes: nft not found: only interface counters (apt-get install nftables)" >&2
+  local other=
+  [ "${OTHER:-0}" = 1 ] && other="other link $O_NET.0/24"
   echo "netns_nodes: up: nodes $(ns 0) ($Q_NET.1) and $(ns 1) ($Q_NET.2)" \
-    "${RATE:+rate $RATE }${OTHER:+other link $O_NET.0/24}"
+    "${RATE:+rate $RATE }$other"
 }
 
 require_up() {
