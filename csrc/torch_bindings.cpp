@@ -127,12 +127,6 @@ auto with_nogil(F&& f) -> std::invoke_result_t<F&> {
   }
 }
 
-const char* kDeclineNames[] = {"too_small", "not_contiguous", "oversize", "no_free_slot",
-                               "no_space",  "unsupported",    "no_record"};
-static_assert(sizeof(kDeclineNames) / sizeof(kDeclineNames[0]) ==
-                  static_cast<size_t>(DeclineReason::kCount),
-              "every decline reason needs a stats() key");
-
 // Why a tensor can't go into the arena as raw bytes, or nullopt if it can.
 std::optional<DeclineReason> arena_unsuitable(const at::Tensor& t) {
   if (!t.defined() || t.device().type() != c10::DeviceType::CPU ||
@@ -252,8 +246,8 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
   py::dict stats() const {
     WriterStats s = writer_->stats();
     py::dict declined;
-    for (size_t i = 0; i < static_cast<size_t>(DeclineReason::kCount); ++i) {
-      declined[kDeclineNames[i]] = s.declined[i];
+    for (size_t i = 0; i < kDeclineReasonNames.size(); ++i) {
+      declined[kDeclineReasonNames[i]] = s.declined[i];
     }
     py::dict d;
     d["hits"] = s.hits;
@@ -1271,6 +1265,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // The torch version this build was compiled against (checked by the package at import).
   m.attr("TORCH_VERSION") = VSA_TORCH_VERSION;
+  // The writer's decline reasons in enum order: the keys of its stats()["declined"].
+  m.attr("DECLINE_REASONS") = py::tuple(
+      py::cast(std::vector<std::string>(kDeclineReasonNames.begin(), kDeclineReasonNames.end())));
 
   py::class_<TensorArenaWriter, std::shared_ptr<TensorArenaWriter>>(m, "ArenaWriter")
       // Creates the region (checking free space in `dir`, "" = default /dev/shm).
@@ -1296,8 +1293,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // Counts a decline decided in Python, by stats() key.
       .def("count_decline",
            [](TensorArenaWriter& w, const std::string& key) {
-             for (size_t i = 0; i < static_cast<size_t>(DeclineReason::kCount); ++i) {
-               if (key == kDeclineNames[i]) return w.count_decline(static_cast<DeclineReason>(i));
+             for (size_t i = 0; i < kDeclineReasonNames.size(); ++i) {
+               if (key == kDeclineReasonNames[i]) {
+                 return w.count_decline(static_cast<DeclineReason>(i));
+               }
              }
              throw InvalidArgument("unknown decline reason '" + key + "'");
            })
