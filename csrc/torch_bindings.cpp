@@ -30,8 +30,7 @@
 #include "core/cuda_shim.h"
 #include "core/errors.h"
 #include "core/liveness.h"
-#include "core/pin_registry.h"
-#include "core/release_gate.h"
+#include "core/reader_lifetime.h"
 #include "core/ring.h"
 #include "core/socket_dir.h"
 #include "core/stale_segments.h"
@@ -126,12 +125,6 @@ auto with_nogil(F&& f) -> std::invoke_result_t<F&> {
     return std::move(*out);
   }
 }
-
-const char* kDeclineNames[] = {"too_small", "not_contiguous", "oversize", "no_free_slot",
-                               "no_space",  "unsupported",    "no_record"};
-static_assert(sizeof(kDeclineNames) / sizeof(kDeclineNames[0]) ==
-                  static_cast<size_t>(DeclineReason::kCount),
-              "every decline reason needs a stats() key");
 
 // Why a tensor can't go into the arena as raw bytes, or nullopt if it can.
 std::optional<DeclineReason> arena_unsuitable(const at::Tensor& t) {
@@ -252,8 +245,8 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
   py::dict stats() const {
     WriterStats s = writer_->stats();
     py::dict declined;
-    for (size_t i = 0; i < static_cast<size_t>(DeclineReason::kCount); ++i) {
-      declined[kDeclineNames[i]] = s.declined[i];
+    for (size_t i = 0; i < kDeclineReasonNames.size(); ++i) {
+      declined[kDeclineReasonNames[i]] = s.declined[i];
     }
     py::dict d;
     d["hits"] = s.hits;
@@ -308,84 +301,20 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
 // ---------------------------------------------------------------------------------------
 // Reader side
 
-/// What a dropped reader leaves behind while pinned tensors it handed out may still be read by
-/// a DMA: the rank stays attached and the memory mapped and registered until every gated
-/// release's event has completed (or, for tokens freed after the last flush, which have no
-/// event to wait on, until the process exits). Never destroyed at exit: unregistering memory
-/// while CUDA unloads would crash.
-struct Lingering {
-  std::shared_ptr<ArenaReader> reader;
-  std::unique_ptr<PinRegistry> pins;
-  std::shared_ptr<ReleaseGate> gate;
-};
-std::mutex& lingering_mutex() {
-  static auto* mu = new std::mutex();
-  return *mu;
-}
-std::vector<Lingering>& lingering() {
-  static auto* list = new std::vector<Lingering>();
-  return *list;
-}
-
-// A pinned tensor's release waits in the ReleaseGate as one 64-bit token: the slot in the low
-// kTokenSlotBits bits, the generation above them. Both are checked on the way in, so no bit is
-// ever lost (a truncated generation would release nothing, and the record would never return).
-constexpr unsigned kTokenSlotBits = 20;
-constexpr uint64_t kTokenGenerationLimit = uint64_t{1} << (64 - kTokenSlotBits);
-static_assert(kMaxRecords <= (uint64_t{1} << kTokenSlotBits),
-              "every slot index must fit the slot bits of a release token");
-
-/// The release token of (slot, generation); InvalidArgument when either does not fit.
-uint64_t release_token(uint32_t slot, uint64_t generation) {
-  if (slot >= (uint64_t{1} << kTokenSlotBits) || generation >= kTokenGenerationLimit) {
-    throw InvalidArgument(
-        "slot " + std::to_string(slot) + " generation " + std::to_string(generation) +
-        " does not fit a release token (slot below 2^" + std::to_string(kTokenSlotBits) +
-        ", generation below 2^" + std::to_string(64 - kTokenSlotBits) + ")");
-  }
-  return (generation << kTokenSlotBits) | slot;
-}
-
-/// Gives back the hold a release token (from release_token) stands for.
-void release_by_token(ArenaReader& reader, uint64_t token) {
-  const uint64_t slot_mask = (uint64_t{1} << kTokenSlotBits) - 1;
-  reader.release(static_cast<uint32_t>(token & slot_mask), token >> kTokenSlotBits);
-}
-
-/// Releases what lingering readers may release now: tokens whose recorded event completed.
-/// Tokens without an event are never released here. Finished entries are destroyed.
-void poll_lingering() {
-  std::vector<Lingering> done;
-  {
-    std::lock_guard<std::mutex> lock(lingering_mutex());
-    auto& list = lingering();
-    for (size_t i = 0; i < list.size();) {
-      Lingering& l = list[i];
-      auto reader = l.reader;
-      l.gate->poll([reader](uint64_t token) { release_by_token(*reader, token); });
-      if (l.gate->pending() == 0) {
-        done.push_back(std::move(l));
-        list[i] = std::move(list.back());
-        list.pop_back();
-      } else {
-        ++i;
-      }
-    }
-  }
-  for (Lingering& l : done) l.pins.reset();  // unregister before the reader unmaps
-}
-
 /// One reader rank: builds zero-copy tensors over slots and releases them when the last
-/// view dies (after the DMA that reads them, when the memory is pinned).
-class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader> {
+/// view dies (after the DMA that reads them, when the memory is pinned). How each hold ends,
+/// pinning included, is the core's ReaderHolds (core/reader_lifetime.h); this class adds the
+/// tensors and the checks that need torch.
+class TensorArenaReader {
  public:
   /// `expect`: (n_readers, num_slots, slot_bytes, policy) from the caller's handle, checked
   /// against the header before the rank is claimed; None skips the check.
   TensorArenaReader(const std::string& name, uint32_t rank, const std::string& dir,
                     uint64_t pin_chunk_bytes, const py::object& expect)
-      : reader_(ArenaReader::attach(name, rank, dir.empty() ? ShmRegion::default_dir() : dir,
-                                    geometry_check(name, expect))),
-        pin_chunk_bytes_(pin_chunk_bytes) {}
+      : holds_(std::make_shared<ReaderHolds>(
+            ArenaReader::attach(name, rank, dir.empty() ? ShmRegion::default_dir() : dir,
+                                geometry_check(name, expect)),
+            pin_chunk_bytes)) {}
 
   /// A check of the validated geometry against (n_readers, num_slots, slot_bytes, policy).
   static std::function<void(const ArenaGeometry&)> geometry_check(const std::string& name,
@@ -413,25 +342,6 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
     };
   }
 
-  ~TensorArenaReader() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (::getpid() != owner_pid_) {
-      // A forked child: CUDA objects of the parent's must not be touched (no unregister, no
-      // event destroy), and the core reader already ignores the child. Leak them.
-      pins_.release();
-      if (gate_) new std::shared_ptr<ReleaseGate>(std::move(gate_));
-      return;
-    }
-    if (gate_ && gate_->pending() > 0) {
-      // Pinned tensors were freed but their DMA may not be over: keep everything alive.
-      std::lock_guard<std::mutex> l(lingering_mutex());
-      lingering().push_back(Lingering{reader_, std::move(pins_), gate_});
-      return;
-    }
-    // Unregister before the mapping (owned by reader_) can go away.
-    pins_.reset();
-  }
-
   /// A tensor whose storage is the slot; zero bytes copied.
   at::Tensor get_tensor(uint32_t slot, uint64_t generation, uint64_t nbytes, at::ScalarType dtype,
                         const std::vector<int64_t>& shape, bool cuda_context, uint64_t offset) {
@@ -442,159 +352,67 @@ class TensorArenaReader : public std::enable_shared_from_this<TensorArenaReader>
                             std::to_string(c10::elementSize(dtype)) + " = " +
                             std::to_string(expect));
     }
-    if (slot >= reader_->max_records()) {
-      throw OutOfRange("slot_idx " + std::to_string(slot) + " out of range [0, " +
-                       std::to_string(reader_->max_records()) + ") in arena '" + reader_->name() +
-                       "'");
-    }
-    if (nbytes > reader_->max_allocation()) {
-      throw InvalidArgument("nbytes " + std::to_string(nbytes) + " is larger than a slot (" +
-                            std::to_string(reader_->max_allocation()) + " bytes)");
-    }
-    if (offset > reader_->max_allocation()) {
-      throw InvalidArgument("offset " + std::to_string(offset) + " is beyond a slot (" +
-                            std::to_string(reader_->max_allocation()) + " bytes)");
-    }
-    if (generation == 0) generation = reader_->published_generation(slot);
-    const uint64_t token = release_token(slot, generation);  // refused before anything is held
-    const uint8_t* p = reader_->acquire(slot, generation, nbytes, offset);
-    bool gated = false;
-    try {
-      if (cuda_context && nbytes > 0) gated = pin(p, nbytes);
-    } catch (...) {
-      reader_->release(slot, generation);  // the hold must not outlive a failed pin
-      throw;
-    }
-    auto self = shared_from_this();
-    pid_t owner = owner_pid_;
-    auto deleter = [self, slot, generation, token, gated, owner](void*) {
-      if (::getpid() != owner) return;  // a forked child's copy: the hold is its parent's
-      if (gated) {
-        self->gate_->freed(token);
-      } else {
-        self->reader_->release(slot, generation);
-      }
+    const ReaderHolds::Hold h = holds_->acquire(slot, generation, nbytes, offset, cuda_context);
+    auto deleter = [holds = holds_, slot, gen = h.generation, gated = h.gated](void*) {
+      holds->freed(slot, gen, gated);
     };
     auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
     try {
-      return at::from_blob(const_cast<uint8_t*>(p), shape, deleter, options);
+      return at::from_blob(const_cast<uint8_t*>(h.data), shape, deleter, options);
     } catch (...) {
-      reader_->release(slot, generation);
+      holds_->freed(slot, h.generation, /*gated=*/false);  // no view existed: no DMA either
       throw;
     }
   }
 
   /// Releases slots whose tensors died and whose DMA (if pinned) has completed.
   size_t flush_releases(uintptr_t stream) {
-    if (::getpid() != owner_pid_) return 0;  // never CUDA for a parent's holds
-    poll_lingering();
-    std::shared_ptr<ReleaseGate> gate;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      gate = gate_;
-    }
-    if (!gate) return 0;
-    auto reader = reader_;
-    return gate->flush(reinterpret_cast<void*>(stream),
-                       [reader](uint64_t token) { release_by_token(*reader, token); });
+    return holds_->flush_releases(reinterpret_cast<void*>(stream));
   }
 
   /// The core reader (for the message framing below, which copies out of an allocation).
-  ArenaReader& core() { return *reader_; }
+  ArenaReader& core() { return holds_->core(); }
 
   void release_unacquired(uint32_t slot, uint64_t generation) {
-    reader_->release_unacquired(slot, generation);
+    core().release_unacquired(slot, generation);
   }
 
   py::dict stats() const {
+    const ReaderHoldsStats s = holds_->stats();
     py::dict d;
-    d["held"] = reader_->held();
-    d["checksum_mismatches"] = reader_->checksum_mismatches();
-    std::lock_guard<std::mutex> lock(mu_);
-    d["pinned_bytes"] = pins_ ? pins_->pinned_bytes() : 0;
-    d["pin_failed"] = (pins_ ? pins_->failed() : false) || pin_no_space_;
-    d["pin_no_space"] = pin_no_space_;
-    d["pin_registrations"] = pins_ ? pins_->stats().registrations : 0;
-    d["pin_seconds"] = pins_ ? pins_->stats().register_seconds : 0.0;
-    d["pending_releases"] = gate_ ? gate_->pending() : 0;
+    d["held"] = s.held;
+    d["checksum_mismatches"] = s.checksum_mismatches;
+    d["pinned_bytes"] = s.pinned_bytes;
+    d["pin_failed"] = s.pin_failed;
+    d["pin_no_space"] = s.pin_no_space;
+    d["pin_registrations"] = s.pin_registrations;
+    d["pin_seconds"] = s.pin_seconds;
+    d["pending_releases"] = s.pending_releases;
     return d;
   }
 
-  bool is_pinned(uint64_t offset, uint64_t len) const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return pins_ && pins_->is_pinned(reader_->region()->data() + offset, len);
-  }
+  bool is_pinned(uint64_t offset, uint64_t len) const { return holds_->is_pinned(offset, len); }
 
-  std::string name() const { return reader_->name(); }
-  uint32_t rank() const { return reader_->rank(); }
-  uint32_t num_slots() const { return reader_->max_records(); }
-  uint64_t slot_bytes() const { return reader_->max_allocation(); }
+  std::string name() const { return reader().name(); }
+  uint32_t rank() const { return reader().rank(); }
+  uint32_t num_slots() const { return reader().max_records(); }
+  uint64_t slot_bytes() const { return reader().max_allocation(); }
   /// The arena's handle geometry as this reader validated it: (n_readers, num_slots,
   /// slot_bytes, policy).
   py::tuple geometry() const {
-    const ArenaGeometry& g = reader_->geometry();
-    return py::make_tuple(g.n_readers, g.max_records, reader_->max_allocation(),
+    const ArenaGeometry& g = reader().geometry();
+    return py::make_tuple(g.n_readers, g.max_records, reader().max_allocation(),
                           g.policy == PolicyKind::kVariable ? "variable" : "fixed");
   }
-  std::string writer_liveness() const { return liveness_name(reader_->writer_liveness()); }
+  std::string writer_liveness() const { return liveness_name(reader().writer_liveness()); }
   // No detach(): the rank is given up only when the core reader dies, which every tensor
   // handed out (and every gated release) keeps alive. Detaching earlier would let the writer
   // recycle memory those tensors still view.
 
  private:
-  // Pins the chunks under [p, p+n) on first use; true when the range is pinned (and its
-  // release must then wait for the DMA).
-  bool pin(const uint8_t* p, uint64_t n) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!pins_ && !pin_disabled_) {
-      std::shared_ptr<CudaRuntime> rt = CudaRuntime::find();
-      if (!rt) {
-        pin_disabled_ = true;  // a context without a runtime we can see: stay unpinned
-        return false;
-      }
-      const auto& region = reader_->region();
-      // Pin only the data region (2 MiB aligned, running to the end of the region).
-      uint64_t data_off = reader_->data_offset();
-      uint64_t data_bytes = reader_->data_bytes();
-      // cudaHostRegister faults in every page of the range; on a tmpfs too full to back
-      // them that is a SIGBUS. Back them first (the writer reserves lazily, block by block):
-      // if the filesystem cannot, stay unpinned, which only makes the H2D pageable.
-      bool backed = false;
-      try {
-        backed = region->reserve(data_off, data_bytes);
-      } catch (const ShmError&) {
-        backed = false;
-      }
-      if (!backed) {
-        pin_disabled_ = true;
-        pin_no_space_ = true;
-        return false;
-      }
-      // One cudaMemcpyAsync cannot cross the boundary between two registrations (the
-      // driver answers cudaErrorInvalidValue; benchmarks/results/gpu_probe_h200.txt), so a
-      // chunk must hold whole allocations: by default the whole data region is one chunk
-      // (about 40 ms per GiB to register, once); fixed slots may use a multiple of the slot
-      // size; variable-size allocations can be anywhere, so they always use one chunk.
-      uint64_t chunk = data_bytes;
-      uint64_t slot = reader_->max_allocation();
-      if (!reader_->variable() && pin_chunk_bytes_ > 0 && pin_chunk_bytes_ < data_bytes) {
-        chunk = (pin_chunk_bytes_ + slot - 1) / slot * slot;
-      }
-      pins_ = std::make_unique<PinRegistry>(rt, region->data() + data_off, data_bytes, chunk);
-      gate_ = std::make_shared<ReleaseGate>(rt);
-    }
-    if (!pins_) return false;
-    return pins_->ensure(p, n);
-  }
+  const ArenaReader& reader() const { return holds_->core(); }
 
-  std::shared_ptr<ArenaReader> reader_;
-  uint64_t pin_chunk_bytes_;
-  pid_t owner_pid_ = ::getpid();
-  mutable std::mutex mu_;
-  bool pin_disabled_ = false;
-  bool pin_no_space_ = false;  // the data region could not be backed for pinning
-  std::shared_ptr<ReleaseGate> gate_;
-  std::unique_ptr<PinRegistry> pins_;  // declared after reader_: destroyed (unregistered) first
+  std::shared_ptr<ReaderHolds> holds_;  // shared with every tensor's deleter
 };
 
 // ---------------------------------------------------------------------------------------
@@ -1271,6 +1089,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // The torch version this build was compiled against (checked by the package at import).
   m.attr("TORCH_VERSION") = VSA_TORCH_VERSION;
+  // The writer's decline reasons in enum order: the keys of its stats()["declined"].
+  m.attr("DECLINE_REASONS") = py::tuple(
+      py::cast(std::vector<std::string>(kDeclineReasonNames.begin(), kDeclineReasonNames.end())));
 
   py::class_<TensorArenaWriter, std::shared_ptr<TensorArenaWriter>>(m, "ArenaWriter")
       // Creates the region (checking free space in `dir`, "" = default /dev/shm).
@@ -1296,8 +1117,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // Counts a decline decided in Python, by stats() key.
       .def("count_decline",
            [](TensorArenaWriter& w, const std::string& key) {
-             for (size_t i = 0; i < static_cast<size_t>(DeclineReason::kCount); ++i) {
-               if (key == kDeclineNames[i]) return w.count_decline(static_cast<DeclineReason>(i));
+             for (size_t i = 0; i < kDeclineReasonNames.size(); ++i) {
+               if (key == kDeclineReasonNames[i]) {
+                 return w.count_decline(static_cast<DeclineReason>(i));
+               }
              }
              throw InvalidArgument("unknown decline reason '" + key + "'");
            })

@@ -4,9 +4,9 @@ Writer (engine-core process), from ``ShmTensorArena.stats()`` of the writer:
 
 * ``vllm:shm_arena_hits_total``: tensors written into the arena (one copy for all readers);
 * ``vllm:shm_arena_bytes_total``: their bytes;
-* ``vllm:shm_arena_declined_total{reason}``: tensors the arena turned down (``too_small``,
-  ``not_contiguous``, ``oversize``, ``no_free_slot``, ``no_space``, ``unsupported``), which
-  took the out-of-band path instead;
+* ``vllm:shm_arena_declined_total{reason}``: tensors the arena turned down, which took the
+  out-of-band path instead; ``reason`` is one of ``DECLINE_REASONS`` (``too_small``,
+  ``no_free_slot``, ``no_space``...: the core's names, read from the extension);
 * ``vllm:shm_arena_reclaimed_slots_total``: slots recycled once every reader let go;
 * ``vllm:shm_arena_dead_readers_total``: readers found dead (their slots were taken back);
 * ``vllm:shm_arena_slots_in_use``: slots holding a tensor some reader may still read;
@@ -46,15 +46,6 @@ logger = logging.getLogger("vllm_shm_arena")
 
 #: Name prefix, as vLLM's own metrics.
 PREFIX = "vllm:shm_arena_"
-#: Decline reasons reported by the writer's ``stats()["declined"]``.
-DECLINE_REASONS: tuple[str, ...] = (
-    "too_small",
-    "not_contiguous",
-    "oversize",
-    "no_free_slot",
-    "no_space",
-    "unsupported",
-)
 
 _lock = threading.Lock()
 _metrics: _Metrics | None = None
@@ -66,6 +57,17 @@ _last: dict[tuple[str, str], int] = {}
 _sizes: dict[str, tuple[int, int]] = {}
 #: Keys of arenas gone since the gauges were last set (see forget_arena_size).
 _forgotten: list[str] = []
+
+
+def __getattr__(name: str) -> Any:
+    """``DECLINE_REASONS``: the decline reasons reported by the writer's
+    ``stats()["declined"]``, in the core's order (``_C.DECLINE_REASONS``). Looked up on first
+    use, so that importing this module still needs neither torch nor the extension."""
+    if name == "DECLINE_REASONS":
+        from vllm_shm_arena._ext import _C
+
+        return tuple(_C.DECLINE_REASONS)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _multiproc_dir() -> str | None:

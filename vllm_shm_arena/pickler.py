@@ -35,6 +35,11 @@ PROTOCOL = 5
 #: Use the Python reference reducer_override instead of the C callable (for tests and
 #: comparison). VLLM_SHM_ARENA_PY_REDUCER=1 sets it at import; tests set the attribute.
 _USE_PY_REDUCER = os.environ.get("VLLM_SHM_ARENA_PY_REDUCER") == "1"
+# The decline reasons the reference reducer decides itself, looked up in the core's list
+# (_C.DECLINE_REASONS) at import: a name the core does not have fails here, with a KeyError.
+_DECLINE_REASONS = {name: name for name in _C.DECLINE_REASONS}
+_TOO_SMALL = _DECLINE_REASONS["too_small"]
+_UNSUPPORTED = _DECLINE_REASONS["unsupported"]
 
 
 def _rebuild_tensor(buffer, dtype_str: str, shape: tuple) -> torch.Tensor:
@@ -156,10 +161,10 @@ class _ArenaPickler(pickle.Pickler):
             slot, gen, offset = loan
         else:
             if nbytes < self.min_bytes:
-                writer.count_decline("too_small")
+                writer.count_decline(_TOO_SMALL)
                 return NotImplemented
             if obj.requires_grad or obj.dtype not in _NAME_BY_DTYPE:
-                writer.count_decline("unsupported")
+                writer.count_decline(_UNSUPPORTED)
                 return NotImplemented
             res = self.arena._write(obj)  # counts not_contiguous / unsupported / full itself
             if res is None:

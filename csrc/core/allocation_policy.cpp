@@ -7,6 +7,11 @@
 
 namespace vllm_shm_arena {
 
+const char* decline_reason_name(DeclineReason why) {
+  const auto i = static_cast<size_t>(why);
+  return i < kDeclineReasonNames.size() ? kDeclineReasonNames[i] : "unknown";
+}
+
 FixedSlotPolicy::FixedSlotPolicy(uint32_t num_slots, uint64_t slot_bytes, uint64_t data_offset)
     : slot_bytes_(slot_bytes), data_offset_(data_offset), in_stack_(num_slots, true) {
   // Slot 0 on top first: a fresh arena fills from the front.

@@ -7,6 +7,8 @@
 // Policies live in the writer process only and are not thread-safe: the arena has one writer.
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -28,6 +30,17 @@ enum class DeclineReason : uint32_t {
   kNoRecord = 6,       ///< every allocation record is in use (the metadata bound)
   kCount = 7,
 };
+
+/// Each reason's name, in enum order: the keys of the writer's stats()["declined"], the
+/// `reason` label of the declined metric, and Python's _C.DECLINE_REASONS.
+inline constexpr std::array<const char*, static_cast<size_t>(DeclineReason::kCount)>
+    kDeclineReasonNames = {"too_small", "not_contiguous", "oversize", "no_free_slot",
+                           "no_space",  "unsupported",    "no_record"};
+static_assert(kDeclineReasonNames.back() != nullptr,
+              "every decline reason needs a name (a missing one would be a null stats() key)");
+
+/// The name of `why` (kDeclineReasonNames); "unknown" for a value outside the enum.
+const char* decline_reason_name(DeclineReason why);
 
 /// A placed allocation: record index, byte offset from the start of the region, capacity.
 struct Placement {

@@ -18,13 +18,14 @@
 // stream_min_bytes(), 32 MiB by default. An ordinary store first reads the destination line
 // into the cache (read-for-ownership), so a copy whose destination is not in the cache moves
 // three bytes per byte copied; a streaming store writes the line without reading it. A
-// single tensor of 16 MiB written to the same warm allocation message after message stays in
-// the cache, and there ordinary stores were as fast or faster; 32-64 MiB, and a 25 x 16 MiB
-// burst, were 1.1-1.5x faster streamed. glibc's memcpy streams by itself only above a
-// threshold derived from the last-level cache (about 195 MiB on a host reporting a 260 MiB
-// L3). Measured in benchmarks/results/stream_ab.md (delivery and consume in the broadcast)
-// and by `make bench-copy`. Other architectures use memcpy. Copies into process-local memory
-// (a reader copying out) never stream: whoever asked for them reads the bytes next.
+// single tensor below the threshold, written to the same warm allocation message after
+// message, stays in the cache, and there ordinary stores were as fast or faster; larger
+// messages, and bursts of such tensors, were faster streamed. glibc's memcpy streams by itself
+// only above a threshold derived from the last-level cache, well above ours. The figures are
+// in benchmarks/results/stream_ab.md (delivery and consume in the broadcast) and
+// benchmarks/results/copy_bench.txt (`make bench-copy`). Other architectures use memcpy.
+// Copies into process-local memory (a reader copying out) never stream: whoever asked for
+// them reads the bytes next.
 //
 // Fork safety: a child forked from a process that owns the pool has none of its threads. A
 // pthread_atfork child handler resets the pool to "no threads", so the child restarts them

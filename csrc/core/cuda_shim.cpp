@@ -3,11 +3,14 @@
 #include <dlfcn.h>
 #include <link.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <type_traits>
 #include <vector>
+
+#include "core/errors.h"
+#include "core/settings.h"
 
 namespace vllm_shm_arena {
 
@@ -51,11 +54,18 @@ std::string CudaRuntime::last_error() {
 }
 
 std::shared_ptr<CudaRuntime> CudaRuntime::find() {
-  const char* override_path = std::getenv("VLLM_SHM_ARENA_CUDART");
-  if (override_path != nullptr && override_path[0] != '\0') {
-    auto rt = load_from(override_path);
+  std::optional<std::string> override_path;
+  try {
+    override_path = settings::cudart_path();
+  } catch (const InvalidArgument& e) {
+    set_last_error(e.what());  // a value that names no library: no runtime, as for a bad path
+    return nullptr;
+  }
+  if (override_path) {
+    auto rt = load_from(*override_path);
     if (rt == nullptr) {
-      set_last_error("VLLM_SHM_ARENA_CUDART=" + std::string(override_path) + ": " + last_error());
+      set_last_error(std::string(settings::kCudartVar) + "=" + *override_path + ": " +
+                     last_error());
     }
     return rt;
   }

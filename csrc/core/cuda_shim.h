@@ -107,9 +107,10 @@ static_assert(sizeof(CudaError) == 4, "cudaError_t is passed and returned as a 3
 class CudaRuntime {
  public:
   /// The libcudart this process already has loaded, or nullptr if there is none (then
-  /// last_error() says why). When the environment variable VLLM_SHM_ARENA_CUDART names a path,
-  /// that library is loaded instead (tests point it at a fake runtime). Never loads a real
-  /// runtime that is not already there and never creates a CUDA context.
+  /// last_error() says why). When the environment variable VLLM_SHM_ARENA_CUDART names a path
+  /// (settings::cudart_path()), that library is loaded instead (tests point it at a fake
+  /// runtime); a value refused by that check is reported like a path that does not load.
+  /// Never loads a real runtime that is not already there and never creates a CUDA context.
   static std::shared_ptr<CudaRuntime> find();
   /// Opens the runtime library at `path` (dlopen RTLD_NOW | RTLD_LOCAL) and resolves its
   /// symbols; nullptr if it cannot be opened or lacks a symbol (then last_error() says why).

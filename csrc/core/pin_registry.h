@@ -1,10 +1,11 @@
 // Lazy page-locking of one mapped range, in fixed-size chunks.
 //
 // Why lazily and in chunks: cudaHostRegister of a whole multi-GB arena at attach time costs
-// hundreds of milliseconds per GB and pins memory nobody may ever copy from. Registering the
-// chunks a copy touches, on first touch, spreads the cost and pins only what is used. The chunk
-// size is a property of the registry, not of the arena's slot layout, so a variable-size
-// allocator above can keep using it unchanged.
+// time in proportion to its size (benchmarks/results/gpu_probe_h200.txt and
+// benchmarks/results/gpu/gpu_h2d.json record it per GiB) and pins memory nobody may ever copy
+// from. Registering the chunks a copy touches, on first touch, spreads the cost and pins only
+// what is used. The chunk size is a property of the registry, not of the arena's slot layout,
+// so a variable-size allocator above can keep using it unchanged.
 //
 //   base                                                              base + length
 //   |<-- chunk 0 -->|<-- chunk 1 -->|<-- chunk 2 -->| ... |<- last (clipped) ->|
@@ -78,8 +79,9 @@ class PinRegistry {
   bool is_pinned(const void* ptr, size_t len) const;
   /// Bytes from `ptr` to the end of its chunk, at most `len`. One cudaMemcpyAsync must not cross
   /// a chunk boundary: the driver rejects a copy whose host range spans two cudaHostRegister
-  /// ranges with cudaErrorInvalidValue (measured on H200 / CUDA 13, benchmarks/gpu_probe), so
-  /// copy code splits a range into pieces of this size. Throws InvalidArgument like ensure().
+  /// ranges with cudaErrorInvalidValue (seen on H200 / CUDA 13:
+  /// benchmarks/results/gpu_probe_h200.txt), so copy code splits a range into pieces of this
+  /// size. Throws InvalidArgument like ensure().
   size_t contiguous_bytes(const void* ptr, size_t len) const;
   /// Bytes currently registered.
   size_t pinned_bytes() const;

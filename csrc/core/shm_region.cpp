@@ -10,9 +10,9 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
-#include <cstdlib>
 
 #include "core/errors.h"
+#include "core/settings.h"
 
 namespace vllm_shm_arena {
 
@@ -71,10 +71,7 @@ void set_random_name_source_for_testing(RandomNameSource source) {
   g_random_name_source.store(source, std::memory_order_release);
 }
 
-std::string ShmRegion::default_dir() {
-  const char* env = std::getenv("VLLM_SHM_ARENA_SHM_DIR");
-  return (env != nullptr && env[0] != '\0') ? std::string(env) : std::string("/dev/shm");
-}
+std::string ShmRegion::default_dir() { return settings::shm_dir(); }
 
 uint64_t ShmRegion::free_bytes(const std::string& dir) {
   struct statvfs st;

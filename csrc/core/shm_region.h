@@ -32,7 +32,8 @@ void set_random_name_source_for_testing(RandomNameSource source);
 /// removed only by unlink(), after which existing mappings stay valid.
 class ShmRegion {
  public:
-  /// The directory shared-memory names live in: $VLLM_SHM_ARENA_SHM_DIR or /dev/shm.
+  /// The directory shared-memory names live in: $VLLM_SHM_ARENA_SHM_DIR or /dev/shm
+  /// (settings::shm_dir(), which says how the value is checked).
   static std::string default_dir();
 
   /// Throws ShmError unless `dir` has at least `bytes` free, saying how much is needed, how

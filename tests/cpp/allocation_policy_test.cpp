@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <map>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "catch_compat.hpp"
@@ -115,4 +116,17 @@ TEST_CASE("mark_used carves a live allocation out of the free space", "[policy]"
     CHECK(p.record != 3);
     CHECK(p.offset != 8192);
   }
+}
+
+TEST_CASE("every decline reason has its stats() name, in enum order", "[policy]") {
+  const std::vector<std::string> want = {"too_small", "not_contiguous", "oversize", "no_free_slot",
+                                         "no_space",  "unsupported",    "no_record"};
+  REQUIRE(kDeclineReasonNames.size() == want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    CHECK(std::string(kDeclineReasonNames[i]) == want[i]);
+    CHECK(std::string(decline_reason_name(static_cast<DeclineReason>(i))) == want[i]);
+  }
+  CHECK(std::string(decline_reason_name(DeclineReason::kNoRecord)) == "no_record");
+  CHECK(std::string(decline_reason_name(DeclineReason::kCount)) == "unknown");
+  CHECK(std::string(decline_reason_name(static_cast<DeclineReason>(1000))) == "unknown");
 }

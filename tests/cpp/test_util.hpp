@@ -106,6 +106,34 @@ inline bool enter_namespaces(int flags) {
          put("/proc/self/gid_map", "0 " + std::to_string(gid) + " 1");
 }
 
+/// Sets (or, with nullptr, unsets) an environment variable for a scope; restores it after.
+/// Not for tests that run threads while it changes (setenv is not thread-safe).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    set(value);
+  }
+  ~ScopedEnv() { set(had_ ? old_.c_str() : nullptr); }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+  /// Changes the value again (nullptr: unset).
+  void set(const char* value) {
+    if (value != nullptr) {
+      ::setenv(name_.c_str(), value, 1);
+    } else {
+      ::unsetenv(name_.c_str());
+    }
+  }
+
+ private:
+  std::string name_;
+  bool had_ = false;
+  std::string old_;
+};
+
 /// A cheap, position-dependent fill so any misplaced or stale byte shows up.
 inline void fill_pattern(uint8_t* p, size_t n, uint64_t tag) {
   uint64_t x = tag * 0x9E3779B97F4A7C15ull + 1;

@@ -218,3 +218,21 @@ def test_no_python_call_lets_the_writer_recycle_a_live_tensors_slot(make_arena, 
     gc.collect()
     a.writer.reclaim(check_liveness=True)
     assert a.writer.write_tensor(torch.zeros_like(t)) is not None  # back once the tensor died
+
+
+def test_decline_reasons_are_the_writer_stats_keys_in_enum_order(tmp_path):
+    # One list, the core's: the writer's stats()["declined"] keys, what count_decline accepts.
+    names = _C.DECLINE_REASONS
+    assert isinstance(names, tuple) and len(names) == len(set(names))
+    assert names[:3] == ("too_small", "not_contiguous", "oversize") and "no_record" in names
+    w = _C.ArenaWriter(1, 2, 1 << 16, str(tmp_path))
+    try:
+        assert list(w.stats()["declined"]) == list(names)
+        for i, name in enumerate(names):
+            for _ in range(i + 1):
+                w.count_decline(name)
+        assert w.stats()["declined"] == {name: i + 1 for i, name in enumerate(names)}
+        with pytest.raises(ValueError, match="unknown decline reason 'no_such_reason'"):
+            w.count_decline("no_such_reason")
+    finally:
+        w.unlink()

@@ -197,3 +197,20 @@ def test_writer_totals_settle_without_another_message(monkeypatch):
     finally:
         mq.shutdown()
         r.shutdown()
+
+
+def test_decline_reasons_are_the_extensions_and_importing_needs_no_extension(run_py):
+    rc, out, err = run_py(
+        """
+        import sys
+        from vllm_shm_arena import metrics
+        print("torch" in sys.modules, "vllm_shm_arena._C" in sys.modules)
+        reasons = metrics.DECLINE_REASONS
+        from vllm_shm_arena._ext import _C
+        print(reasons == _C.DECLINE_REASONS, "no_record" in reasons)
+        """
+    )
+    assert rc == 0, err
+    assert out.split() == ["False", "False", "True", "True"]
+    with pytest.raises(AttributeError):
+        metrics.NO_SUCH_NAME  # noqa: B018
