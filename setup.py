@@ -1,4 +1,5 @@
-"""Builds vllm_shm_arena._C: the torch-free core in csrc/core plus one bindings file.
+"""Builds vllm_shm_arena._C: the torch-free core in csrc/core plus the bindings above it
+(csrc/bindings/*.cpp, which know no torch, and csrc/torch_bindings.cpp).
 
 The extension is compiled against the torch of the environment it is installed into:
     pip install .                          # pip's defaults; see _build_backend/vsa_build.py
@@ -147,9 +148,12 @@ else:
                 file=sys.stderr,
             )
 
-    sources = sorted(glob.glob(os.path.join("csrc", "core", "*.cpp"))) + [
-        os.path.join("csrc", "torch_bindings.cpp")
-    ]
+    # The torch-free core, the bindings' torch-free parts, and the one file that knows torch.
+    sources = (
+        sorted(glob.glob(os.path.join("csrc", "core", "*.cpp")))
+        + sorted(glob.glob(os.path.join("csrc", "bindings", "*.cpp")))
+        + [os.path.join("csrc", "torch_bindings.cpp")]
+    )
     include_dirs = [os.path.join(ROOT, "csrc")]
     define_macros = [("VSA_TORCH_VERSION", f'"{torch.__version__}"')]
     cuda_inc = _cuda_include_dir()

@@ -1,9 +1,11 @@
-// The whole C++ <-> Python surface of vllm_shm_arena._C. Everything below the bindings lives
-// in csrc/core and knows no torch; this file turns allocation records into at::Tensors and
-// back. The exported functions are listed, one line each, in PYBIND11_MODULE at the bottom.
+// The C++ <-> Python surface of vllm_shm_arena._C. Everything below the bindings lives in
+// csrc/core and knows no torch; this file turns allocation records into at::Tensors and back.
+// The exported functions are listed, one line each, in PYBIND11_MODULE at the bottom; those of
+// the message ring (RingWriter, RingReader, RING_FLAG_*) are listed the same way by
+// bind_messages in csrc/bindings/message_bindings.cpp, which knows no torch. Every call that
+// releases the GIL goes through with_nogil (csrc/bindings/gil.h: why none re-takes the GIL in
+// a destructor).
 #include <Python.h>
-#include <pthread.h>
-#include <signal.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 #include <unistd.h>
@@ -16,14 +18,12 @@
 #include <optional>
 #include <string>
 #include <tuple>
-#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
-#if defined(__GLIBCXX__)
-#include <cxxabi.h>
-#endif
 
+#include "bindings/gil.h"
+#include "bindings/message_bindings.h"
 #include "core/arena.h"
 #include "core/arena_layout.h"
 #include "core/copy_pool.h"
@@ -31,7 +31,6 @@
 #include "core/errors.h"
 #include "core/liveness.h"
 #include "core/reader_lifetime.h"
-#include "core/ring.h"
 #include "core/socket_dir.h"
 #include "core/stale_segments.h"
 
@@ -44,87 +43,6 @@ namespace py = pybind11;
 namespace vllm_shm_arena {
 
 namespace {
-
-// ---------------------------------------------------------------------------------------
-// Calls without the GIL
-//
-// CPython (3.11 to 3.13) ends a thread other than the finalizing one that takes the GIL back
-// once finalization has begun: PyEval_RestoreThread calls pthread_exit, which unwinds the
-// thread's stack with an exception no handler may swallow. Met in a noexcept frame, such as the
-// destructor of py::gil_scoped_release, it aborts the whole process ("terminate called without
-// an active exception"). So no call in this file re-takes the GIL in a destructor: with_nogil
-// runs the GIL-free work and takes the GIL back in ordinary control flow, where that unwind
-// passes up through these frames and pybind11's dispatcher (which rethrows it) and ends only the
-// thread. A thread whose work comes back after finalization has begun does not ask for the GIL
-// at all and parks instead (what CPython 3.14 does to such threads itself): nothing of it
-// unwinds, so nothing it holds is destroyed without the GIL while the interpreter is torn down.
-
-#if defined(__GLIBCXX__)
-/// The exception pthread_exit unwinds a thread with (catch only to clean up, then rethrow).
-using ThreadExit = abi::__forced_unwind;
-#else
-struct ThreadExit {};  // no forced unwind to recognise here: never thrown
-#endif
-
-/// Whether the interpreter has begun finalizing. With the GIL held, true only on the thread
-/// doing it: every other one is stopped before it can hold the GIL again.
-bool interpreter_finalizing() {
-#if PY_VERSION_HEX >= 0x030D0000
-  return Py_IsFinalizing() != 0;
-#else
-  return _Py_IsFinalizing() != 0;
-#endif
-}
-
-/// Blocks this thread until the process exits, taking no signal (the others get them).
-[[noreturn]] void park_thread_for_good() {
-  sigset_t all;
-  sigfillset(&all);
-  pthread_sigmask(SIG_BLOCK, &all, nullptr);
-  for (;;) pause();
-}
-
-/// Takes the GIL back after GIL-free work; `finalizer`: this thread was the finalizing one.
-/// Not noexcept, and never called from a destructor: CPython may end the thread inside
-/// PyEval_RestoreThread if finalization begins while it waits.
-void take_gil_back(PyThreadState* saved, bool finalizer) {
-  if (!finalizer && interpreter_finalizing()) park_thread_for_good();
-  PyEval_RestoreThread(saved);
-}
-
-/// Runs `f` (which must not touch Python) with the GIL released, and returns what it returns
-/// or rethrows what it threw, with the GIL held again. Callers holding Python references in
-/// frames above must drop them unreleased on ThreadExit (the thread no longer has the GIL).
-template <class F>
-auto with_nogil(F&& f) -> std::invoke_result_t<F&> {
-  using R = std::invoke_result_t<F&>;
-  const bool finalizer = interpreter_finalizing();
-  PyThreadState* saved = PyEval_SaveThread();
-  std::exception_ptr error;
-  if constexpr (std::is_void_v<R>) {
-    try {
-      f();
-    } catch (const ThreadExit&) {
-      throw;  // this thread ends here, without the GIL
-    } catch (...) {
-      error = std::current_exception();
-    }
-    take_gil_back(saved, finalizer);
-    if (error) std::rethrow_exception(error);
-  } else {
-    std::optional<R> out;
-    try {
-      out.emplace(f());
-    } catch (const ThreadExit&) {
-      throw;  // this thread ends here, without the GIL
-    } catch (...) {
-      error = std::current_exception();
-    }
-    take_gil_back(saved, finalizer);
-    if (error) std::rethrow_exception(error);
-    return std::move(*out);
-  }
-}
 
 // Why a tensor can't go into the arena as raw bytes, or nullopt if it can.
 std::optional<DeclineReason> arena_unsuitable(const at::Tensor& t) {
@@ -289,7 +207,7 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
   std::string name() const { return writer_->name(); }
   std::string dir() const { return writer_->region()->dir(); }
   uint64_t max_allocation() const { return writer_->max_allocation(); }
-  /// The core writer (for the message framing below, which packs into an allocation).
+  /// The core writer (for the message framing, which packs into an allocation).
   ArenaWriter& core() { return *writer_; }
   uint32_t n_readers() const { return writer_->n_readers(); }
   void unlink() { writer_->unlink(); }
@@ -370,7 +288,7 @@ class TensorArenaReader {
     return holds_->flush_releases(reinterpret_cast<void*>(stream));
   }
 
-  /// The core reader (for the message framing below, which copies out of an allocation).
+  /// The core reader (for the message framing, which copies out of an allocation).
   ArenaReader& core() { return holds_->core(); }
 
   void release_unacquired(uint32_t slot, uint64_t generation) {
@@ -413,383 +331,6 @@ class TensorArenaReader {
   const ArenaReader& reader() const { return holds_->core(); }
 
   std::shared_ptr<ReaderHolds> holds_;  // shared with every tensor's deleter
-};
-
-// ---------------------------------------------------------------------------------------
-// The message queue's shared-memory ring. A message is a list of frames (pickle stream and
-// out-of-band buffers) packed into one chunk as [u32 count][u64 len x count][bytes...].
-
-namespace {
-
-constexpr int64_t kNsPerSec = 1000000000;
-
-using FrameSpans = std::vector<std::pair<const uint8_t*, uint64_t>>;
-
-uint64_t packed_size(const FrameSpans& frames) {
-  uint64_t n = sizeof(uint32_t) + frames.size() * sizeof(uint64_t);
-  for (const auto& f : frames) n += f.second;
-  return n;
-}
-
-/// Packs `frames` into `dst` (packed_size(frames) bytes of backed shared memory). Needs no GIL.
-void pack_frames(uint8_t* dst, const FrameSpans& frames) {
-  uint8_t* p = dst;
-  uint32_t count = static_cast<uint32_t>(frames.size());
-  std::memcpy(p, &count, sizeof(count));
-  p += sizeof(count);
-  for (const auto& f : frames) {
-    std::memcpy(p, &f.second, sizeof(uint64_t));
-    p += sizeof(uint64_t);
-  }
-  for (const auto& f : frames) {
-    if (f.second > 0) parallel_copy(p, f.first, f.second, CopyTarget::kShared);
-    p += f.second;
-  }
-}
-
-/// Copies the frames packed in [data, data + nbytes) out into bytearrays the caller owns for
-/// good. The bytes are shared memory another process may rewrite at any time: the count and
-/// each length are read once into private memory and checked against what is left before use.
-/// An empty payload is a message without frames. Called with the GIL held.
-py::list unpack_frames(const uint8_t* data, uint64_t nbytes) {
-  py::list frames;
-  if (nbytes == 0) return frames;
-  uint32_t count = 0;
-  if (nbytes < sizeof(count)) throw InvalidArgument("packed message too short");
-  std::memcpy(&count, data, sizeof(count));
-  uint64_t head = sizeof(count) + uint64_t{count} * sizeof(uint64_t);
-  if (head > nbytes) throw InvalidArgument("packed message header is corrupt");
-  const uint8_t* lens = data + sizeof(count);
-  const uint8_t* p = data + head;
-  uint64_t left = nbytes - head;
-  for (uint32_t i = 0; i < count; ++i) {
-    uint64_t len;
-    std::memcpy(&len, lens + i * sizeof(uint64_t), sizeof(len));
-    if (len > left) throw InvalidArgument("packed message frame overruns the message");
-    PyObject* ba = PyByteArray_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(len));
-    if (ba == nullptr) throw py::error_already_set();
-    py::object owned = py::reinterpret_steal<py::object>(ba);
-    if (len > 0) {
-      char* dst = PyByteArray_AS_STRING(ba);
-      try {
-        with_nogil([&] { parallel_copy(dst, p, len); });
-      } catch (const ThreadExit&) {
-        owned.release();  // no GIL any more: leave the objects to the dying interpreter
-        frames.release();
-        throw;
-      }
-    }
-    frames.append(owned);
-    p += len;
-    left -= len;
-  }
-  return frames;
-}
-
-}  // namespace
-
-/// The buffers of one message's frames, held for as long as their bytes are read.
-class FrameViews {
- public:
-  /// Room for `n` views up front: a Py_buffer is never moved once taken.
-  explicit FrameViews(size_t n) { views_.reserve(n); }
-  FrameViews(const FrameViews&) = delete;
-  FrameViews& operator=(const FrameViews&) = delete;
-  ~FrameViews() {
-    for (Py_buffer& v : views_) PyBuffer_Release(&v);
-  }
-
-  /// Forgets the views without releasing them (for a thread that lost the GIL for good).
-  void abandon() { views_.clear(); }
-
-  /// Takes frame `index`'s buffer. A frame whose bytes are not one C-contiguous run (a
-  /// strided or reversed memoryview) is refused: `buf`/`len` would name other bytes than the
-  /// frame's, and a reversed view's `buf` points at its last element.
-  const Py_buffer& add(py::handle frame, size_t index) {
-    if (views_.size() == views_.capacity()) throw std::logic_error("FrameViews is full");
-    Py_buffer v;
-    if (PyObject_GetBuffer(frame.ptr(), &v, PyBUF_STRIDES) != 0) {
-      PyErr_Clear();
-      throw py::type_error("frame " + std::to_string(index) + " is not a buffer (got " +
-                           std::string(Py_TYPE(frame.ptr())->tp_name) + ")");
-    }
-    if (!PyBuffer_IsContiguous(&v, 'C')) {
-      PyBuffer_Release(&v);
-      throw py::value_error("frame " + std::to_string(index) +
-                            " is not a C-contiguous buffer (a strided or reversed view); pass "
-                            "bytes(frame) or a contiguous copy");
-    }
-    views_.push_back(v);
-    return views_.back();
-  }
-
- private:
-  std::vector<Py_buffer> views_;
-};
-
-/// The (pointer, length) of each of `frames`, whose buffers `views` holds.
-FrameSpans frame_spans(const py::list& frames, FrameViews& views) {
-  FrameSpans spans;
-  spans.reserve(frames.size());
-  for (size_t i = 0; i < frames.size(); ++i) {
-    const Py_buffer& v = views.add(frames[i], i);
-    spans.emplace_back(static_cast<const uint8_t*>(v.buf), static_cast<uint64_t>(v.len));
-  }
-  return spans;
-}
-
-/// Packs a message too big for a ring chunk into one arena allocation (the "blob" an
-/// overflow marker names) -> (slot, generation, nbytes), or None when the arena declines or
-/// the message is larger than `max_bytes`. Published when this returns: readers copy it out
-/// with arena_read_frames and release it at once.
-std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> arena_write_frames(TensorArenaWriter& self,
-                                                                           const py::list& frames,
-                                                                           uint64_t max_bytes) {
-  FrameViews views(frames.size());
-  FrameSpans spans = frame_spans(frames, views);
-  uint64_t total = packed_size(spans);
-  if (total > max_bytes) return std::nullopt;
-  try {
-    return with_nogil([&]() -> std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> {
-      std::optional<Allocation> a = self.core().allocate(total);
-      if (!a) return std::nullopt;
-      pack_frames(a->data, spans);
-      self.core().publish(*a);
-      return std::make_tuple(a->record, a->generation, total);
-    });
-  } catch (const ThreadExit&) {
-    views.abandon();  // no GIL any more: the buffers stay exported
-    throw;
-  }
-}
-
-/// A blob's frames, copied out (see arena_write_frames); the allocation is released before
-/// this returns, also when its framing is corrupt.
-py::list arena_read_frames(TensorArenaReader& self, uint32_t slot, uint64_t generation,
-                           uint64_t nbytes) {
-  ArenaReader& r = self.core();
-  if (slot >= r.max_records()) {
-    throw OutOfRange("blob slot " + std::to_string(slot) + " out of range [0, " +
-                     std::to_string(r.max_records()) + ")");
-  }
-  const uint8_t* p = r.acquire(slot, generation, nbytes, 0);
-  py::list frames;
-  try {
-    frames = unpack_frames(p, nbytes);
-  } catch (const ThreadExit&) {
-    frames.release();  // no GIL any more: leave the object to the dying interpreter
-    r.release(slot, generation);
-    throw;
-  } catch (...) {
-    r.release(slot, generation);
-    throw;
-  }
-  r.release(slot, generation);
-  return frames;
-}
-
-/// Writer end of a ring in its own shm region.
-class MessageRingWriter {
- public:
-  MessageRingWriter(uint32_t n_readers, uint32_t max_chunks, uint64_t max_chunk_bytes,
-                    const std::string& dir) {
-    RingConfig cfg;
-    cfg.n_readers = n_readers;
-    cfg.max_chunks = max_chunks;
-    cfg.max_chunk_bytes = max_chunk_bytes;
-    size_t bytes = ring_bytes(cfg);
-    size_t tables = ring_metadata_bytes(cfg);
-    std::unique_ptr<LivenessToken> token;
-    auto init = [&](ShmRegion& r) {
-      // The writer's token before the ring has a name; every table page backed before
-      // ring_init stores into it (a full /dev/shm must fail here, not SIGBUS later).
-      token = LivenessToken::take(r.path(), kWriterTokenByte, r.fd());
-      if (!r.reserve(0, tables)) {
-        throw ShmError("not enough shared memory in " + r.dir() + " for the message ring's " +
-                       std::to_string(tables >> 10) +
-                       " KiB of tables (the filesystem is full); free some space or enlarge it "
-                       "(Docker: --shm-size; bare metal: mount -o remount,size=<N>G " +
-                       r.dir() + ")");
-      }
-      ring_init(r.data(), r.size(), cfg);
-    };
-    region_ =
-        ShmRegion::create(bytes, "vsa_ring_", dir.empty() ? ShmRegion::default_dir() : dir, init);
-    writer_ =
-        std::make_unique<RingWriter>(region_->data(), region_->size(),
-                                     TokenFile{region_->path(), region_->fd()}, std::move(token));
-    reserved_.assign(max_chunks, 0);
-  }
-
-  /// The writer owns the ring's name; remove it if nobody did yet (never from a forked child:
-  /// the name is its parent's).
-  ~MessageRingWriter() {
-    if (::getpid() == owner_pid_) region_->unlink();
-  }
-
-  /// Bytes of a message with these frame sizes once packed into a chunk.
-  static uint64_t packed_bytes(const std::vector<uint64_t>& sizes) {
-    uint64_t n = sizeof(uint32_t) + sizes.size() * sizeof(uint64_t);
-    for (uint64_t s : sizes) n += s;
-    return n;
-  }
-
-  /// Packs `frames` into the next chunk and publishes it. Returns "ok", "timeout", or
-  /// "no_space" (the shm filesystem could not back the chunk: an overflow marker was
-  /// published instead, and the caller must send the message over the socket).
-  std::string write(const py::list& frames, uint32_t flags, double timeout_s) {
-    require_owner("write");
-    // Outlives the GIL-free part below: the views are released with the GIL held again.
-    FrameViews views(frames.size());
-    FrameSpans spans = frame_spans(frames, views);
-    uint64_t total = packed_size(spans);
-    if (total > writer_->config().max_chunk_bytes) {
-      throw InvalidArgument("message of " + std::to_string(total) +
-                            " bytes does not fit a ring chunk of " +
-                            std::to_string(writer_->config().max_chunk_bytes));
-    }
-    try {
-      return with_nogil([&]() -> std::string {
-        uint8_t* chunk = take_chunk(timeout_s);
-        if (chunk == nullptr) return "timeout";
-        // Back the chunk's pages before the first store into them: a full /dev/shm then means
-        // "send it over the socket", not SIGBUS.
-        uint64_t off = static_cast<uint64_t>(chunk - region_->data());
-        uint64_t idx = (writer_->published()) % writer_->config().max_chunks;
-        if (reserved_[idx] < total) {
-          if (!region_->reserve(off, total)) {
-            // The caller's flags described the message that did not fit; the marker says
-            // only "on the socket".
-            writer_->publish(0, kRingFlagOverflow | kNoSpaceFlag);
-            return "no_space";
-          }
-          reserved_[idx] = total;
-        }
-        pack_frames(chunk, spans);
-        writer_->publish(total, flags);
-        return "ok";
-      });
-    } catch (const ThreadExit&) {
-      views.abandon();  // no GIL any more: the buffers stay exported
-      throw;
-    }
-  }
-
-  /// Publishes an empty marker chunk (the message itself travels over the socket).
-  bool write_marker(uint32_t flags, double timeout_s) {
-    require_owner("write_marker");
-    return with_nogil([&] {
-      if (take_chunk(timeout_s) == nullptr) return false;
-      writer_->publish(0, flags);
-      return true;
-    });
-  }
-
-  /// Waits up to `timeout_s` for the next chunk to be free and keeps it for the next write or
-  /// write_marker, which then never waits: the queue takes the ring's back-pressure before
-  /// anything of a message is committed anywhere. True once a chunk is held (also when one
-  /// already was).
-  bool reserve(double timeout_s) {
-    require_owner("reserve");
-    if (reserved_chunk_ != nullptr) return true;
-    reserved_chunk_ = with_nogil([&] { return writer_->acquire(timeout_ns(timeout_s)); });
-    return reserved_chunk_ != nullptr;
-  }
-
-  void shutdown() {
-    require_owner("shutdown");
-    writer_->shutdown();
-  }
-  void unlink() {
-    if (::getpid() == owner_pid_) region_->unlink();
-  }
-  /// Liveness probes of lagging readers the kernel did not answer.
-  uint64_t liveness_unknown() const { return writer_->liveness_unknown(); }
-  std::string name() const { return region_->name(); }
-  std::string dir() const { return region_->dir(); }
-  uint32_t dropped_readers() const { return writer_->dropped_readers(); }
-  uint64_t published() const { return writer_->published(); }
-
-  /// Flag the writer sets on a marker whose chunk could not be backed (message on socket).
-  static constexpr uint32_t kNoSpaceFlag = 1u << 1;
-  /// Flag the queue sets on a marker naming an arena blob that holds the message.
-  static constexpr uint32_t kBlobFlag = 1u << 2;
-
- private:
-  static int64_t timeout_ns(double s) {
-    if (s < 0) return -1;
-    return static_cast<int64_t>(s * kNsPerSec);
-  }
-  void require_owner(const char* what) const {
-    if (::getpid() != owner_pid_) {
-      throw InvalidArgument(std::string("RingWriter.") + what +
-                            ": this ring writer belongs to pid " + std::to_string(owner_pid_) +
-                            "; a forked child cannot use its parent's queue");
-    }
-  }
-  /// The reserved chunk, or a newly acquired one (waiting up to `timeout_s`); nullptr on timeout.
-  uint8_t* take_chunk(double timeout_s) {
-    uint8_t* chunk = reserved_chunk_;
-    reserved_chunk_ = nullptr;
-    return chunk != nullptr ? chunk : writer_->acquire(timeout_ns(timeout_s));
-  }
-
-  pid_t owner_pid_ = ::getpid();
-  uint8_t* reserved_chunk_ = nullptr;  // acquired by reserve(), not yet published
-  std::shared_ptr<ShmRegion> region_;
-  std::unique_ptr<RingWriter> writer_;
-  std::vector<uint64_t> reserved_;  // bytes of each chunk already backed by fallocate
-};
-
-/// Reader end: copies each message's frames out of the chunk and releases it at once, so a
-/// message may be kept for as long as the caller likes.
-class MessageRingReader {
- public:
-  MessageRingReader(const std::string& name, uint32_t rank, const std::string& dir) {
-    region_ = ShmRegion::attach(name, dir.empty() ? ShmRegion::default_dir() : dir, 64);
-    ring_validate(region_->data(), region_->size());
-    reader_ = std::make_unique<RingReader>(region_->data(), region_->size(), rank,
-                                           TokenFile{region_->path(), region_->fd()});
-  }
-
-  /// Waits up to `timeout_s` (< 0: forever) for the next message ->
-  /// ("ok", flags, [bytearray...]) / ("timeout", 0, None) / ("shutdown", 0, None) /
-  /// ("writer_dead", 0, None) once the writer's process is gone and its messages were read.
-  py::tuple read(double timeout_s) {
-    const uint8_t* data = nullptr;
-    uint64_t nbytes = 0;
-    uint32_t flags = 0;
-    const int64_t timeout_ns = timeout_s < 0 ? -1 : static_cast<int64_t>(timeout_s * kNsPerSec);
-    RingReader::Status st =
-        with_nogil([&] { return reader_->acquire(timeout_ns, &data, &nbytes, &flags); });
-    if (st == RingReader::Status::kTimeout) return py::make_tuple("timeout", 0, py::none());
-    if (st == RingReader::Status::kShutdown) return py::make_tuple("shutdown", 0, py::none());
-    if (st == RingReader::Status::kWriterDead) {
-      return py::make_tuple("writer_dead", 0, py::none());
-    }
-    py::list frames;
-    try {
-      frames = unpack_frames(data, nbytes);
-    } catch (const ThreadExit&) {
-      frames.release();  // no GIL any more: leave the object to the dying interpreter
-      reader_->release();
-      throw;
-    } catch (...) {
-      reader_->release();
-      throw;
-    }
-    reader_->release();
-    return py::make_tuple("ok", flags, frames);
-  }
-
-  uint32_t rank() const { return reader_->rank(); }
-  uint64_t consumed() const { return reader_->consumed(); }
-  /// "alive", "dead" or "unknown": the ring writer's liveness token.
-  std::string writer_liveness() const { return liveness_name(reader_->writer_liveness()); }
-
- private:
-  std::shared_ptr<ShmRegion> region_;
-  std::unique_ptr<RingReader> reader_;  // destroyed first: detaches before the unmap
 };
 
 // ---------------------------------------------------------------------------------------
@@ -1109,10 +650,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return with_nogil([&] { return w.write_tensor(t); });
           },
           py::arg("tensor"))
-      // Gives back an allocation whose stub never left this process.
       // Packs a message's frames into one allocation (a blob) -> (slot, generation, nbytes) or
-      // None (declined, or over max_bytes); published on return.
-      .def("write_frames", &arena_write_frames, py::arg("frames"), py::arg("max_bytes"))
+      // None (declined, or over max_bytes); published on return (csrc/bindings/).
+      .def(
+          "write_frames",
+          [](TensorArenaWriter& w, const py::list& frames, uint64_t max_bytes) {
+            return arena_write_frames(w.core(), frames, max_bytes);
+          },
+          py::arg("frames"), py::arg("max_bytes"))
+      // Gives back an allocation whose stub never left this process.
       .def("abort", &TensorArenaWriter::abort, py::arg("slot"), py::arg("generation"))
       // Counts a decline decided in Python, by stats() key.
       .def("count_decline",
@@ -1159,10 +705,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return with_nogil([&] { return r.flush_releases(stream); });
           },
           py::arg("stream") = 0)
+      // A blob's frames copied out as bytearrays; the allocation is released on return
+      // (csrc/bindings/).
+      .def(
+          "read_frames",
+          [](TensorArenaReader& r, uint32_t slot, uint64_t generation, uint64_t nbytes) {
+            return arena_read_frames(r.core(), slot, generation, nbytes);
+          },
+          py::arg("slot"), py::arg("generation"), py::arg("nbytes"))
       // Releases a slot named in a message this reader failed to unpickle.
-      // A blob's frames copied out as bytearrays; the allocation is released on return.
-      .def("read_frames", &arena_read_frames, py::arg("slot"), py::arg("generation"),
-           py::arg("nbytes"))
       .def("release_unacquired", &TensorArenaReader::release_unacquired, py::arg("slot"),
            py::arg("generation"))
       // held, pinned_bytes, pending_releases, pin statistics.
@@ -1178,44 +729,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_slots", &TensorArenaReader::num_slots)
       .def_property_readonly("slot_bytes", &TensorArenaReader::slot_bytes);
 
-  py::class_<MessageRingWriter, std::shared_ptr<MessageRingWriter>>(m, "RingWriter")
-      // Creates the ring's shm region: n_readers x max_chunks x max_chunk_bytes.
-      .def(py::init<uint32_t, uint32_t, uint64_t, const std::string&>(), py::arg("n_readers"),
-           py::arg("max_chunks"), py::arg("max_chunk_bytes"), py::arg("dir") = "")
-      // Packs frames into the next chunk -> "ok" | "timeout" | "no_space".
-      .def("write", &MessageRingWriter::write, py::arg("frames"), py::arg("flags"),
-           py::arg("timeout_s"))
-      // Publishes an empty chunk carrying only flags (message on the socket).
-      .def("write_marker", &MessageRingWriter::write_marker, py::arg("flags"), py::arg("timeout_s"))
-      // Waits for the next chunk and holds it for the next write (True), or times out (False).
-      .def("reserve", &MessageRingWriter::reserve, py::arg("timeout_s"))
-      // Bytes a message with these frame sizes takes in a chunk.
-      .def_static("packed_bytes", &MessageRingWriter::packed_bytes)
-      // Wakes every blocked reader, which then sees "shutdown".
-      .def("shutdown", &MessageRingWriter::shutdown)
-      .def("unlink", &MessageRingWriter::unlink)
-      .def("dropped_readers", &MessageRingWriter::dropped_readers)
-      // Liveness probes of lagging readers the kernel did not answer (kept as alive).
-      .def("liveness_unknown", &MessageRingWriter::liveness_unknown)
-      .def("published", &MessageRingWriter::published)
-      .def_property_readonly("name", &MessageRingWriter::name)
-      .def_property_readonly("dir", &MessageRingWriter::dir);
-  m.attr("RING_FLAG_OVERFLOW") = kRingFlagOverflow;
-  m.attr("RING_FLAG_NO_SPACE") = MessageRingWriter::kNoSpaceFlag;
-  // With RING_FLAG_OVERFLOW: the message is an arena blob the marker's frames name (not on
-  // the socket).
-  m.attr("RING_FLAG_BLOB") = MessageRingWriter::kBlobFlag;
-
-  py::class_<MessageRingReader, std::shared_ptr<MessageRingReader>>(m, "RingReader")
-      // Attaches reader `rank` of ring `name`.
-      .def(py::init<const std::string&, uint32_t, const std::string&>(), py::arg("name"),
-           py::arg("rank"), py::arg("dir") = "")
-      // Next message -> (status, flags, frames as bytearrays), chunk released at once.
-      .def("read", &MessageRingReader::read, py::arg("timeout_s"))
-      .def("consumed", &MessageRingReader::consumed)
-      // "alive" | "dead" | "unknown": the ring writer's liveness token.
-      .def("writer_liveness", &MessageRingReader::writer_liveness)
-      .def_property_readonly("rank", &MessageRingReader::rank);
+  // The message ring (RingWriter, RingReader, RING_FLAG_*): csrc/bindings/message_bindings.cpp.
+  bind_messages(m);
 
   // A queue's local-socket directory in the shm directory ("" = the default): fresh 0700,
   // its name held by a liveness token until remove() (core/socket_dir.h).

@@ -125,7 +125,7 @@ class _NoGilCalls:
 
     The bindings already make such a call safe at interpreter exit (a thread coming back
     after finalization began parks instead of taking the GIL; see ``with_nogil`` in
-    csrc/torch_bindings.cpp). This gate is about the queue: the exit hook closes it, so no
+    csrc/bindings/gil.h). This gate is about the queue: the exit hook closes it, so no
     new call starts, and waits a bounded time until no thread is inside one, so queues are
     shut down cleanly (their sockets drained) rather than abandoned mid-call.
     """

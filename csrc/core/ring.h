@@ -4,7 +4,9 @@
 // Every reader reads every chunk, in publish order. The writer reuses a chunk only after every
 // reader it still counts has released the chunk's previous message. The caller maps the block
 // (shm_open + mmap, or mmap(MAP_SHARED | MAP_ANONYMOUS) before fork) and hands the same bytes to
-// ring_init (once, in the writer) and to RingWriter / RingReader (in each process).
+// ring_init (once, in the writer) and to RingWriter / RingReader (in each process). The message
+// queue's ring, which owns a segment of its own and frames every message, is built on this one
+// in core/message_ring.h.
 //
 // Shared-memory layout (every box starts on a 64-byte cache line; N = max_chunks, R = n_readers)
 //
@@ -75,7 +77,8 @@ struct RingConfig {
 constexpr uint64_t kRingMagic = 0x474e49525f415356ull;  // "VSA_RING" in little-endian bytes.
 constexpr uint32_t kRingLayoutVersion = 2;              // 2: liveness tokens replace pids
 
-/// Flag bits the ring carries for the caller, uninterpreted.
+/// Flag bits the ring carries for the caller, uninterpreted (the queue's others are in
+/// core/message_ring.h).
 constexpr uint32_t kRingFlagOverflow = 1u << 0;  ///< The payload did not fit; it is on the socket.
 
 /// Upper limits ring_bytes accepts, so the layout size cannot overflow.

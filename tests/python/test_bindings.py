@@ -1,4 +1,5 @@
-"""The bindings' handling of Python buffers, and the copy pool's knobs (csrc/torch_bindings.cpp).
+"""The bindings' handling of Python buffers, and the copy pool's knobs (csrc/torch_bindings.cpp,
+csrc/bindings/message_bindings.cpp).
 
 * ``RingWriter.write`` takes only C-contiguous frames: a strided view's ``buf``/``len`` name
   other bytes than the frame's (a reversed view's ``buf`` is its last element).

@@ -1,4 +1,4 @@
-"""Exit with a daemon thread inside a GIL-released call of the extension (csrc/torch_bindings.cpp).
+"""Exit with a daemon thread inside a GIL-released call of the extension (csrc/bindings/gil.h).
 
 CPython ends a daemon thread that takes the GIL back once finalization has begun (3.11-3.13:
 ``pthread_exit`` from ``PyEval_RestoreThread``, a forced unwind that aborts the process if it

@@ -1,0 +1,311 @@
+#include "bindings/message_bindings.h"
+
+#include <Python.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "bindings/gil.h"
+#include "core/copy_pool.h"
+#include "core/errors.h"
+#include "core/frames.h"
+#include "core/liveness.h"
+#include "core/message_ring.h"
+#include "core/ring.h"
+
+namespace py = pybind11;
+
+namespace vllm_shm_arena {
+
+namespace {
+
+// A Python timeout in seconds as the core's nanoseconds: < 0 (and anything too large to count
+// in nanoseconds) waits without a limit.
+int64_t timeout_ns(double seconds) {
+  if (seconds < 0) return -1;
+  const double ns = seconds * 1e9;
+  if (!(ns < static_cast<double>(std::numeric_limits<int64_t>::max()))) return -1;
+  return static_cast<int64_t>(ns);
+}
+
+/// The buffers of one message's frames, held for as long as their bytes are read.
+class FrameViews {
+ public:
+  /// Room for `n` views up front: a Py_buffer is never moved once taken.
+  explicit FrameViews(size_t n) { views_.reserve(n); }
+  FrameViews(const FrameViews&) = delete;
+  FrameViews& operator=(const FrameViews&) = delete;
+  ~FrameViews() {
+    for (Py_buffer& v : views_) PyBuffer_Release(&v);
+  }
+
+  /// Forgets the views without releasing them (for a thread that lost the GIL for good).
+  void abandon() { views_.clear(); }
+
+  /// Takes frame `index`'s buffer. A frame whose bytes are not one C-contiguous run (a
+  /// strided or reversed memoryview) is refused: `buf`/`len` would name other bytes than the
+  /// frame's, and a reversed view's `buf` points at its last element.
+  const Py_buffer& add(py::handle frame, size_t index) {
+    if (views_.size() == views_.capacity()) throw std::logic_error("FrameViews is full");
+    Py_buffer v;
+    if (PyObject_GetBuffer(frame.ptr(), &v, PyBUF_STRIDES) != 0) {
+      PyErr_Clear();
+      throw py::type_error("frame " + std::to_string(index) + " is not a buffer (got " +
+                           std::string(Py_TYPE(frame.ptr())->tp_name) + ")");
+    }
+    if (!PyBuffer_IsContiguous(&v, 'C')) {
+      PyBuffer_Release(&v);
+      throw py::value_error("frame " + std::to_string(index) +
+                            " is not a C-contiguous buffer (a strided or reversed view); pass "
+                            "bytes(frame) or a contiguous copy");
+    }
+    views_.push_back(v);
+    return views_.back();
+  }
+
+ private:
+  std::vector<Py_buffer> views_;
+};
+
+/// The (pointer, length) of each of `frames`, whose buffers `views` holds.
+FrameSpans frame_spans(const py::list& frames, FrameViews& views) {
+  FrameSpans spans;
+  spans.reserve(frames.size());
+  for (size_t i = 0; i < frames.size(); ++i) {
+    const Py_buffer& v = views.add(frames[i], i);
+    spans.push_back(FrameSpan{static_cast<const uint8_t*>(v.buf), static_cast<uint64_t>(v.len)});
+  }
+  return spans;
+}
+
+/// The frames `spans` names (parsed by parse_frames, so each length is a checked private copy)
+/// copied out into bytearrays the caller owns for good. Called with the GIL held; the copies
+/// run without it.
+py::list frames_as_bytearrays(const FrameSpans& spans) {
+  PyObject* raw = PyList_New(static_cast<Py_ssize_t>(spans.size()));
+  if (raw == nullptr) throw py::error_already_set();
+  py::list out = py::reinterpret_steal<py::list>(raw);
+  std::vector<char*> dst(spans.size(), nullptr);
+  for (size_t i = 0; i < spans.size(); ++i) {
+    PyObject* ba = PyByteArray_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(spans[i].len));
+    if (ba == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), ba);  // steals the reference
+    dst[i] = PyByteArray_AS_STRING(ba);
+  }
+  try {
+    with_nogil([&] {
+      for (size_t i = 0; i < spans.size(); ++i) {
+        if (spans[i].len > 0) parallel_copy(dst[i], spans[i].data, spans[i].len);
+      }
+    });
+  } catch (const ThreadExit&) {
+    out.release();  // no GIL any more: leave the objects to the dying interpreter
+    throw;
+  }
+  return out;
+}
+
+/// _C.RingWriter: the writer end of a ring in its own shm segment (core MessageRingWriter).
+class PyRingWriter {
+ public:
+  PyRingWriter(uint32_t n_readers, uint32_t max_chunks, uint64_t max_chunk_bytes,
+               const std::string& dir)
+      : core_(MessageRingWriter::create(n_readers, max_chunks, max_chunk_bytes,
+                                        dir.empty() ? ShmRegion::default_dir() : dir)) {}
+
+  /// Bytes of a message with these frame sizes once packed into a chunk.
+  static uint64_t packed_bytes(const std::vector<uint64_t>& sizes) {
+    FrameSpans lens(sizes.size());
+    for (size_t i = 0; i < sizes.size(); ++i) lens[i].len = sizes[i];
+    return framed_size(lens);
+  }
+
+  /// Packs `frames` into the next chunk and publishes it. Returns "ok", "timeout", or
+  /// "no_space" (the shm filesystem could not back the chunk: an overflow marker was
+  /// published instead, and the caller must send the message over the socket).
+  std::string write(const py::list& frames, uint32_t flags, double timeout_s) {
+    core_->require_owner("write");  // before the frames are looked at
+    // Outlives the GIL-free part below: the views are released with the GIL held again.
+    FrameViews views(frames.size());
+    FrameSpans spans = frame_spans(frames, views);
+    try {
+      RingWriteStatus st =
+          with_nogil([&] { return core_->write(spans, flags, timeout_ns(timeout_s)); });
+      switch (st) {
+        case RingWriteStatus::kOk:
+          return "ok";
+        case RingWriteStatus::kTimeout:
+          return "timeout";
+        case RingWriteStatus::kNoSpace:
+          return "no_space";
+      }
+      throw std::logic_error("unknown RingWriteStatus");
+    } catch (const ThreadExit&) {
+      views.abandon();  // no GIL any more: the buffers stay exported
+      throw;
+    }
+  }
+
+  /// Publishes an empty marker chunk (the message itself travels over the socket).
+  bool write_marker(uint32_t flags, double timeout_s) {
+    return with_nogil([&] { return core_->write_marker(flags, timeout_ns(timeout_s)); });
+  }
+
+  /// Waits for the next chunk and holds it for the next write (see MessageRingWriter).
+  bool reserve(double timeout_s) {
+    core_->require_owner("reserve");
+    if (core_->holds_reserved_chunk()) return true;  // no wait: keep the GIL
+    return with_nogil([&] { return core_->reserve(timeout_ns(timeout_s)); });
+  }
+
+  void shutdown() { core_->shutdown(); }
+  void unlink() { core_->unlink(); }
+  uint32_t dropped_readers() const { return core_->stats().dropped_readers; }
+  uint64_t liveness_unknown() const { return core_->stats().liveness_unknown; }
+  uint64_t published() const { return core_->stats().published; }
+  std::string name() const { return core_->name(); }
+  std::string dir() const { return core_->dir(); }
+
+ private:
+  std::unique_ptr<MessageRingWriter> core_;
+};
+
+/// _C.RingReader: copies each message's frames out of the chunk and releases it at once, so a
+/// message may be kept for as long as the caller likes.
+class PyRingReader {
+ public:
+  PyRingReader(const std::string& name, uint32_t rank, const std::string& dir)
+      : core_(MessageRingReader::attach(name, rank, dir.empty() ? ShmRegion::default_dir() : dir)) {
+  }
+
+  /// Waits up to `timeout_s` (< 0: forever) for the next message ->
+  /// ("ok", flags, [bytearray...]) / ("timeout", 0, None) / ("shutdown", 0, None) /
+  /// ("writer_dead", 0, None) once the writer's process is gone and its messages were read.
+  py::tuple read(double timeout_s) {
+    const int64_t ns = timeout_ns(timeout_s);
+    RingMessage m = with_nogil([&] { return core_->acquire(ns); });
+    switch (m.status) {
+      case RingReader::Status::kOk:
+        break;
+      case RingReader::Status::kTimeout:
+        return py::make_tuple("timeout", 0, py::none());
+      case RingReader::Status::kShutdown:
+        return py::make_tuple("shutdown", 0, py::none());
+      case RingReader::Status::kWriterDead:
+        return py::make_tuple("writer_dead", 0, py::none());
+    }
+    py::list frames;
+    try {
+      frames = frames_as_bytearrays(m.frames);
+    } catch (const ThreadExit&) {
+      frames.release();  // no GIL any more: leave the object to the dying interpreter
+      core_->release();
+      throw;
+    } catch (...) {
+      core_->release();
+      throw;
+    }
+    core_->release();
+    return py::make_tuple("ok", m.flags, frames);
+  }
+
+  uint32_t rank() const { return core_->rank(); }
+  uint64_t consumed() const { return core_->consumed(); }
+  /// "alive", "dead" or "unknown": the ring writer's liveness token.
+  std::string writer_liveness() const { return liveness_name(core_->writer_liveness()); }
+
+ private:
+  std::unique_ptr<MessageRingReader> core_;
+};
+
+}  // namespace
+
+std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> arena_write_frames(ArenaWriter& writer,
+                                                                           const py::list& frames,
+                                                                           uint64_t max_bytes) {
+  FrameViews views(frames.size());
+  FrameSpans spans = frame_spans(frames, views);
+  const uint64_t total = framed_size(spans);
+  if (total > max_bytes) return std::nullopt;
+  try {
+    return with_nogil([&]() -> std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> {
+      std::optional<Allocation> a = writer.allocate(total);
+      if (!a) return std::nullopt;
+      pack_frames(a->data, spans);
+      writer.publish(*a);
+      return std::make_tuple(a->record, a->generation, total);
+    });
+  } catch (const ThreadExit&) {
+    views.abandon();  // no GIL any more: the buffers stay exported
+    throw;
+  }
+}
+
+py::list arena_read_frames(ArenaReader& reader, uint32_t slot, uint64_t generation,
+                           uint64_t nbytes) {
+  if (slot >= reader.max_records()) {
+    throw OutOfRange("blob slot " + std::to_string(slot) + " out of range [0, " +
+                     std::to_string(reader.max_records()) + ")");
+  }
+  const uint8_t* p = reader.acquire(slot, generation, nbytes, 0);
+  py::list frames;
+  try {
+    frames = frames_as_bytearrays(parse_frames(p, nbytes));
+  } catch (const ThreadExit&) {
+    frames.release();  // no GIL any more: leave the object to the dying interpreter
+    reader.release(slot, generation);
+    throw;
+  } catch (...) {
+    reader.release(slot, generation);
+    throw;
+  }
+  reader.release(slot, generation);
+  return frames;
+}
+
+void bind_messages(py::module_& m) {
+  py::class_<PyRingWriter, std::shared_ptr<PyRingWriter>>(m, "RingWriter")
+      // Creates the ring's shm region: n_readers x max_chunks x max_chunk_bytes.
+      .def(py::init<uint32_t, uint32_t, uint64_t, const std::string&>(), py::arg("n_readers"),
+           py::arg("max_chunks"), py::arg("max_chunk_bytes"), py::arg("dir") = "")
+      // Packs frames into the next chunk -> "ok" | "timeout" | "no_space".
+      .def("write", &PyRingWriter::write, py::arg("frames"), py::arg("flags"), py::arg("timeout_s"))
+      // Publishes an empty chunk carrying only flags (message on the socket).
+      .def("write_marker", &PyRingWriter::write_marker, py::arg("flags"), py::arg("timeout_s"))
+      // Waits for the next chunk and holds it for the next write (True), or times out (False).
+      .def("reserve", &PyRingWriter::reserve, py::arg("timeout_s"))
+      // Bytes a message with these frame sizes takes in a chunk.
+      .def_static("packed_bytes", &PyRingWriter::packed_bytes)
+      // Wakes every blocked reader, which then sees "shutdown".
+      .def("shutdown", &PyRingWriter::shutdown)
+      .def("unlink", &PyRingWriter::unlink)
+      .def("dropped_readers", &PyRingWriter::dropped_readers)
+      // Liveness probes of lagging readers the kernel did not answer (kept as alive).
+      .def("liveness_unknown", &PyRingWriter::liveness_unknown)
+      .def("published", &PyRingWriter::published)
+      .def_property_readonly("name", &PyRingWriter::name)
+      .def_property_readonly("dir", &PyRingWriter::dir);
+  m.attr("RING_FLAG_OVERFLOW") = kRingFlagOverflow;
+  m.attr("RING_FLAG_NO_SPACE") = kRingFlagNoSpace;
+  // With RING_FLAG_OVERFLOW: the message is an arena blob the marker's frames name (not on
+  // the socket).
+  m.attr("RING_FLAG_BLOB") = kRingFlagBlob;
+
+  py::class_<PyRingReader, std::shared_ptr<PyRingReader>>(m, "RingReader")
+      // Attaches reader `rank` of ring `name`.
+      .def(py::init<const std::string&, uint32_t, const std::string&>(), py::arg("name"),
+           py::arg("rank"), py::arg("dir") = "")
+      // Next message -> (status, flags, frames as bytearrays), chunk released at once.
+      .def("read", &PyRingReader::read, py::arg("timeout_s"))
+      .def("consumed", &PyRingReader::consumed)
+      // "alive" | "dead" | "unknown": the ring writer's liveness token.
+      .def("writer_liveness", &PyRingReader::writer_liveness)
+      .def_property_readonly("rank", &PyRingReader::rank);
+}
+
+}  // namespace vllm_shm_arena
