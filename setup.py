@@ -1,5 +1,5 @@
 """Builds vllm_shm_arena._C: the torch-free core in csrc/core plus the bindings above it
-(csrc/bindings/*.cpp, which know no torch, and csrc/torch_bindings.cpp).
+(csrc/bindings/*.cpp and csrc/torch_bindings.cpp, the module).
 
 The extension is compiled against the torch of the environment it is installed into:
     pip install .                          # pip's defaults; see _build_backend/vsa_build.py
@@ -148,7 +148,7 @@ else:
                 file=sys.stderr,
             )
 
-    # The torch-free core, the bindings' torch-free parts, and the one file that knows torch.
+    # The torch-free core, the bindings beside the module, and the module itself.
     sources = (
         sorted(glob.glob(os.path.join("csrc", "core", "*.cpp")))
         + sorted(glob.glob(os.path.join("csrc", "bindings", "*.cpp")))
