@@ -31,9 +31,9 @@ from typing import Any
 
 import zmq
 
-from vllm_shm_arena import metrics, sizing
+from vllm_shm_arena import metrics, settings, sizing
 from vllm_shm_arena._ext import _C
-from vllm_shm_arena.arena import _CURRENT_READER, ArenaHandle, ShmTensorArena
+from vllm_shm_arena.arena import ArenaHandle, ShmTensorArena, resolving_stubs
 from vllm_shm_arena.pickler import Dumped, dump_message, dumps_inband, loads
 
 logger = logging.getLogger("vllm_shm_arena")
@@ -43,7 +43,7 @@ _WAIT_SLICE_S = 0.1
 #: A reader holding slots this long is reported as starving the arena.
 _STARVING_AGE_S = 30.0
 #: Warn about a long wait every this many seconds (vLLM's VLLM_RINGBUFFER_WARNING_INTERVAL).
-_WAIT_WARN_S = float(os.environ.get("VLLM_RINGBUFFER_WARNING_INTERVAL", "60"))
+_WAIT_WARN_S = settings.ringbuffer_warning_interval()
 #: vLLM's wording, so operators' log searches and alerts keep working.
 _LONG_WAIT_MSG = (
     "No available shared memory broadcast block found in %d seconds. This typically happens "
@@ -92,21 +92,19 @@ _TOKEN_BYTES = 16
 #: has at least two frames (header, pickle).
 _SHUTDOWN_FRAME = b"VSA-SHUTDOWN"
 
-#: Arena geometry of the queues this process creates (read once, at import).
+#: Arena geometry of the queues this process creates (read once, at import; settings.py).
 #: "variable": one region of _ARENA_BYTES packing any tensor up to its size (the default);
-#: "fixed": _ARENA_NUM_SLOTS slots of _ARENA_SLOT_BYTES (the design document's layout).
-_ARENA_POLICY = os.environ.get("VLLM_SHM_ARENA_POLICY", "variable")
-_ARENA_BYTES = int(os.environ.get("VLLM_SHM_ARENA_MB", "2048")) << 20
-_ARENA_MAX_ALLOCATIONS = int(os.environ.get("VLLM_SHM_ARENA_MAX_ALLOCATIONS", "1024"))
-_ARENA_NUM_SLOTS = int(os.environ.get("VLLM_SHM_ARENA_NUM_SLOTS", "8"))
-_ARENA_SLOT_BYTES = int(os.environ.get("VLLM_SHM_ARENA_SLOT_MB", "256")) << 20
+#: "fixed": _ARENA_NUM_SLOTS slots of _ARENA_SLOT_BYTES (the design document's layout). The
+#: policy is checked when a queue asks for an arena, so a bad one never fails a queue without.
+_ARENA_POLICY = settings.arena_policy_unchecked()
+_ARENA_BYTES = settings.arena_bytes()
+_ARENA_MAX_ALLOCATIONS = settings.arena_max_allocations()
+_ARENA_NUM_SLOTS = settings.arena_num_slots()
+_ARENA_SLOT_BYTES = settings.arena_slot_bytes()
 
 
 def _check_arena_policy() -> None:
-    if _ARENA_POLICY not in ("variable", "fixed"):
-        raise ValueError(
-            f"VLLM_SHM_ARENA_POLICY must be 'variable' or 'fixed', got {_ARENA_POLICY!r}"
-        )
+    settings.check_arena_policy(_ARENA_POLICY)
 
 
 def _create_arena(n_readers: int, ring) -> tuple[ShmTensorArena | None, sizing.ArenaSize]:
@@ -726,7 +724,7 @@ class MessageQueue:
                         break
             if not fits and self.arena is not None and self._blob_max:
                 with _NOGIL:
-                    sending.blob = self.arena._require_writer().write_frames(frames, self._blob_max)
+                    sending.blob = self.arena.write_blob(frames, self._blob_max)
         if self.remote_socket is not None:
             self._send_socket(self.remote_socket, frames, deadline, sending, may_wait=True)
         if ring is not None:
@@ -760,7 +758,7 @@ class MessageQueue:
             ring.write_marker(_C.RING_FLAG_OVERFLOW, 0.0)
         if sending.blob is not None:
             # Published in the arena but named by no marker: no reader will ever see it.
-            self.arena._abort([sending.blob[:2]])
+            self.arena.give_back_unsent([sending.blob[:2]])
             sending.blob = None
         self._counters["overflow_messages"] += 1
         sending.socket_owed = True
@@ -826,7 +824,7 @@ class MessageQueue:
                 # Nothing was published: readers never saw the stubs. A failure here must
                 # not replace the error that stopped the send.
                 try:
-                    self.arena._abort([*sending.diverted, *blob])
+                    self.arena.give_back_unsent([*sending.diverted, *blob])
                 except Exception:
                     logger.exception("vllm_shm_arena: giving back an unsent message's slots")
             return
@@ -926,7 +924,7 @@ class MessageQueue:
             counts["ring_dropped"] = self._ring.dropped_readers()
             counts["ring_unknown"] = self._ring.liveness_unknown()
         if self.arena is not None:
-            s = self.arena._require_writer().stats()
+            s = self.arena.stats(holdings=False)
             counts["arena_dead"] = s["dead_readers"]
             counts["arena_unknown"] = s["liveness_unknown"]
         for key, n in counts.items():
@@ -998,7 +996,7 @@ class MessageQueue:
     def _dequeue_locked(self, deadline: float | None, indefinite: bool) -> Any:
         arena = self.arena
         if arena is not None:
-            if arena._may_gate:  # something was pinned: releases wait for their events
+            if arena.needs_flush:  # something was pinned: releases wait for their events
                 with _NOGIL:
                     arena.flush_releases()
             self._maybe_report()
@@ -1068,7 +1066,7 @@ class MessageQueue:
         if len(marker_frames) != 1 or len(marker_frames[0]) != _BLOB_MARKER.size:
             raise RuntimeError("corrupt blob marker in the message ring")
         slot, gen, nbytes = _BLOB_MARKER.unpack(marker_frames[0])
-        return self.arena._require_reader().read_frames(slot, gen, nbytes)
+        return self.arena.read_blob(slot, gen, nbytes)
 
     def _recv_socket(self, sock, deadline, watch_ring: bool = False):
         """The next message on ``sock``. ``watch_ring``: the ring announced it (an overflow
@@ -1137,19 +1135,14 @@ class MessageQueue:
         try:
             if arena is None:
                 return loads(frames[1], frames[2:])
-            # This rank's reader, not whichever rank of the arena attached last here: stubs
-            # resolve to the thread's current reader arena first (arena._lookup).
-            prev = getattr(_CURRENT_READER, "arena", None)
-            _CURRENT_READER.arena = arena
-            try:
+            # This rank's reader, not whichever rank of the arena attached last here.
+            with resolving_stubs(arena):
                 return loads(frames[1], frames[2:])
-            finally:
-                _CURRENT_READER.arena = prev
         except BaseException:
             # Frame 0 lists the message's arena records: parsed only on this failure path.
             if arena is not None and len(frames[0]):
                 for slot, gen in _parse_diverted(frames[0]):
-                    arena._release_unacquired(slot, gen)
+                    arena.release_unacquired(slot, gen)
             raise
 
     # ------------------------------------------------------------------ both
@@ -1321,7 +1314,7 @@ class MessageQueue:
 def _local_ip() -> str:
     """The address remote readers connect to when the caller gives none: VLLM_HOST_IP, else
     vLLM's own choice (``get_ip``) when vLLM is importable, else this host name's address."""
-    ip = os.environ.get("VLLM_HOST_IP")
+    ip = settings.host_ip()
     if ip:
         return ip
     try:

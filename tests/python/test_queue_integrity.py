@@ -385,12 +385,9 @@ def test_a_stub_resolved_after_its_readers_queue_shut_down_raises_clearly():
         assert status == "ok"
         reader_arena = r.arena
         r.shutdown()
-        arena_mod._CURRENT_READER.arena = reader_arena
-        try:
+        with arena_mod.resolving_stubs(reader_arena):
             with pytest.raises(RuntimeError, match="closed|not attached"):
                 pickle.loads(frames[1], buffers=frames[2:])
-        finally:
-            arena_mod._CURRENT_READER.arena = None
     finally:
         _close(w)
 
