@@ -13,17 +13,17 @@ reads as "no plugin".
 
 * ``VLLM_SHM_ARENA_POLICY``: the arena layout of the queues this process creates: one region
   packing any tensor up to its size, or fixed slots. Default: ``variable``. Valid: ``variable``
-  or ``fixed``. Read at import (message_queue.py), checked when a queue asks for an arena; per
-  call by check.py.
+  or ``fixed``. Read at import (mq/writer.py), checked when a queue asks for an arena; per call
+  by check.py.
 * ``VLLM_SHM_ARENA_MB``: variable layout: the region's size, MiB. Default: ``2048``. Valid: a
-  whole number >= 1. Read at import (message_queue.py); per call by check.py.
+  whole number >= 1. Read at import (mq/writer.py); per call by check.py.
 * ``VLLM_SHM_ARENA_MAX_ALLOCATIONS``: variable layout: most tensors alive in the arena at once.
-  Default: ``1024``. Valid: a whole number >= 1. Read at import (message_queue.py); per call by
+  Default: ``1024``. Valid: a whole number >= 1. Read at import (mq/writer.py); per call by
   check.py.
 * ``VLLM_SHM_ARENA_NUM_SLOTS``: fixed layout: the number of slots. Default: ``8``. Valid: a
-  whole number >= 1. Read at import (message_queue.py); per call by check.py.
+  whole number >= 1. Read at import (mq/writer.py); per call by check.py.
 * ``VLLM_SHM_ARENA_SLOT_MB``: fixed layout: the size of a slot, MiB. Default: ``256``. Valid: a
-  whole number >= 1. Read at import (message_queue.py); per call by check.py.
+  whole number >= 1. Read at import (mq/writer.py); per call by check.py.
 * ``VLLM_SHM_ARENA_FREE_FRACTION``: the share of the free shared memory a smaller arena may take
   (sizing.py). Default: ``0.5``. Valid: a number in (0, 1]. Read per queue created with an
   arena, and per check.
@@ -47,10 +47,10 @@ reads as "no plugin".
   value leaves it off. Read at import (pickler.py).
 * ``VLLM_RINGBUFFER_WARNING_INTERVAL``: vLLM's: how often a reader waiting for a message logs
   that it is still waiting (vLLM's module constant wins when vLLM is loaded). Default: ``60``.
-  Valid: a number of seconds >= 0. Read at import (message_queue.py).
+  Valid: a number of seconds >= 0. Read at import (mq/reader.py).
 * ``VLLM_HOST_IP``: vLLM's: the address a queue with remote readers binds when given none.
   Default: unset. Valid: an address remote readers can reach. Read per queue created with remote
-  readers (message_queue.py).
+  readers and no connect_ip (mq/transport.py).
 * ``VLLM_MQ_MAX_CHUNK_BYTES_MB``: vLLM's: its broadcast ring's chunk size, MiB; check.py sizes
   the ring from it. Default: ``16``. Valid: read as vLLM reads it (a whole number; anything else
   counts as the default here). Read per check (check.py).
@@ -148,8 +148,7 @@ VARIABLES: tuple[Variable, ...] = (
         "`variable` or `fixed`",
         "the arena layout of the queues this process creates: one region packing any tensor "
         "up to its size, or fixed slots",
-        "at import (message_queue.py), checked when a queue asks for an arena; per call by "
-        "check.py",
+        "at import (mq/writer.py), checked when a queue asks for an arena; per call by check.py",
         _policy,
         unset="variable",
     ),
@@ -158,7 +157,7 @@ VARIABLES: tuple[Variable, ...] = (
         "`2048`",
         "a whole number >= 1",
         "variable layout: the region's size, MiB",
-        "at import (message_queue.py); per call by check.py",
+        "at import (mq/writer.py); per call by check.py",
         _whole(1),
         unset=2048,
     ),
@@ -167,7 +166,7 @@ VARIABLES: tuple[Variable, ...] = (
         "`1024`",
         "a whole number >= 1",
         "variable layout: most tensors alive in the arena at once",
-        "at import (message_queue.py); per call by check.py",
+        "at import (mq/writer.py); per call by check.py",
         _whole(1),
         unset=1024,
     ),
@@ -176,7 +175,7 @@ VARIABLES: tuple[Variable, ...] = (
         "`8`",
         "a whole number >= 1",
         "fixed layout: the number of slots",
-        "at import (message_queue.py); per call by check.py",
+        "at import (mq/writer.py); per call by check.py",
         _whole(1),
         unset=8,
     ),
@@ -185,7 +184,7 @@ VARIABLES: tuple[Variable, ...] = (
         "`256`",
         "a whole number >= 1",
         "fixed layout: the size of a slot, MiB",
-        "at import (message_queue.py); per call by check.py",
+        "at import (mq/writer.py); per call by check.py",
         _whole(1),
         unset=256,
     ),
@@ -260,7 +259,7 @@ VARIABLES: tuple[Variable, ...] = (
         "a number of seconds >= 0",
         "vLLM's: how often a reader waiting for a message logs that it is still waiting "
         "(vLLM's module constant wins when vLLM is loaded)",
-        "at import (message_queue.py)",
+        "at import (mq/reader.py)",
         _seconds,
         unset=60.0,
     ),
@@ -269,7 +268,7 @@ VARIABLES: tuple[Variable, ...] = (
         "unset",
         "an address remote readers can reach",
         "vLLM's: the address a queue with remote readers binds when given none",
-        "per queue created with remote readers (message_queue.py)",
+        "per queue created with remote readers and no connect_ip (mq/transport.py)",
         _text,
     ),
     Variable(
