@@ -247,7 +247,7 @@ VARIABLES: tuple[Variable, ...] = (
         "VLLM_SHM_ARENA_PY_REDUCER",
         "unset",
         "`1` turns it on; any other value leaves it off",
-        "the pickler uses the Python reference ``reducer_override`` instead of the C one "
+        "the pickler uses the Python reference `reducer_override` instead of the C one "
         "(tests, comparison)",
         "at import (pickler.py)",
         lambda raw: raw == "1",
