@@ -76,7 +76,7 @@ def _bandwidth_one(mib: int, reps: int, cold_reps: int) -> dict:
         res = w._write(src)
         dt = _ns() - t0
         assert res is not None, w.stats()
-        r._release_unacquired(*res)
+        r.release_unacquired(*res)
         if i > 0:  # the first write is the cold one
             warm.append(dt)
     assert w.stats()["warm_copies"] == reps, w.stats()

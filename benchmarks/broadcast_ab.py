@@ -43,9 +43,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vllm_shm_arena import MessageQueue, message_queue  # noqa: E402
+from vllm_shm_arena import MessageQueue  # noqa: E402
 from vllm_shm_arena import arena as arena_mod  # noqa: E402
 from vllm_shm_arena._ext import _C  # noqa: E402
+from vllm_shm_arena.mq import writer as mq_writer  # noqa: E402
 
 MODES = ("inband", "oob", "arena", "loan")
 MODE_LABEL = {
@@ -194,7 +195,7 @@ def _queue(mode: str, tp: int, chunk_bytes: int = 16 << 20) -> MessageQueue:
             enable_shm_tensor_arena=mode == "vllm-arena",
         )
     arena = mode in ("arena", "arena-fixed", "loan")
-    message_queue._ARENA_POLICY = "fixed" if mode == "arena-fixed" else "variable"
+    mq_writer._ARENA_POLICY = "fixed" if mode == "arena-fixed" else "variable"
     mq = MessageQueue(
         tp, tp, max_chunk_bytes=chunk_bytes, max_chunks=10, enable_shm_tensor_arena=arena
     )

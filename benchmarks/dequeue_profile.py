@@ -8,7 +8,7 @@ times ``dequeue`` with its pieces wrapped, in this process only (``vllm_shm_aren
 not modified; ``time.perf_counter_ns`` around each):
 
 * ring read: ``RingReader.read`` (acquire the chunk, copy its frames into bytearrays,
-  release it), through a proxy standing in for ``mq._ring``;
+  release it), through a proxy standing in for the reader's ring (``mq._end.ring``);
 * frame handling: ``_parse_diverted`` (the frame listing the message's arena records);
 * unpickle: ``loads``, split into pickle's own work, ``_rebuild_arena_tensor``'s Python
   (registry lookup, pin decision) and the reader's C++ ``rebuild`` (the stub's checks, the
@@ -54,8 +54,9 @@ import broadcast_ab as ab  # noqa: E402  (benchmarks/, for its reader start-up a
 
 from vllm_shm_arena import MessageQueue, metrics  # noqa: E402
 from vllm_shm_arena import arena as arena_mod  # noqa: E402
-from vllm_shm_arena import message_queue as mq_mod  # noqa: E402
 from vllm_shm_arena._ext import _C  # noqa: E402
+from vllm_shm_arena.mq import reader as reader_mod  # noqa: E402
+from vllm_shm_arena.mq import writer as writer_mod  # noqa: E402
 
 RESULTS = ab.RESULTS
 PIECES = [
@@ -83,7 +84,7 @@ class _Rec:
 
 
 class _RingProxy:
-    """Stands in for ``mq._ring``: times ``read`` and notes when it returned."""
+    """Stands in for ``mq._end.ring``: times ``read`` and notes when it returned."""
 
     def __init__(self, ring, rec):
         self._ring, self._rec = ring, rec
@@ -137,42 +138,42 @@ class Instrument:
         self.mq, self.rec = mq, rec
         arena = mq.arena
         self.orig = {
-            "ring": mq._ring,
+            "ring": mq._end.ring,
             "reader": arena._reader,
-            "parse": mq_mod._parse_diverted,
-            "loads": mq_mod.loads,
+            "parse": reader_mod.parse_diverted,
+            "loads": reader_mod.loads,
             "rebuild": arena_mod._rebuild_arena_tensor,
             "record": metrics.record_reader_stats,
         }
-        self.ring = _RingProxy(mq._ring, rec)
+        self.ring = _RingProxy(mq._end.ring, rec)
         self.reader = _ReaderProxy(arena._reader, rec)
         self.flush = _timed(arena.flush_releases, rec, "flush_releases")
         self.stats = _timed(arena.stats, rec, "stats")
-        self.parse = _timed(mq_mod._parse_diverted, rec, "frame_handling")
-        self.loads = _timed(mq_mod.loads, rec, "unpickle")
+        self.parse = _timed(reader_mod.parse_diverted, rec, "frame_handling")
+        self.loads = _timed(reader_mod.loads, rec, "unpickle")
         # Pickle finds the stub's rebuild function by module attribute at load time.
         self.rebuild = _timed(arena_mod._rebuild_arena_tensor, rec, "rebuild")
         self.record = _timed(metrics.record_reader_stats, rec, "metrics")
 
     def on(self):
         mq, arena = self.mq, self.mq.arena
-        mq._ring = self.ring
+        mq._end.ring = self.ring
         arena._reader = self.reader
         arena.flush_releases = self.flush
         arena.stats = self.stats
-        mq_mod._parse_diverted = self.parse
-        mq_mod.loads = self.loads
+        reader_mod.parse_diverted = self.parse
+        reader_mod.loads = self.loads
         arena_mod._rebuild_arena_tensor = self.rebuild
         metrics.record_reader_stats = self.record
 
     def off(self):
         mq, arena = self.mq, self.mq.arena
-        mq._ring = self.orig["ring"]
+        mq._end.ring = self.orig["ring"]
         arena._reader = self.orig["reader"]
         for name in ("flush_releases", "stats"):
             arena.__dict__.pop(name, None)
-        mq_mod._parse_diverted = self.orig["parse"]
-        mq_mod.loads = self.orig["loads"]
+        reader_mod.parse_diverted = self.orig["parse"]
+        reader_mod.loads = self.orig["loads"]
         arena_mod._rebuild_arena_tensor = self.orig["rebuild"]
         metrics.record_reader_stats = self.orig["record"]
 
@@ -233,8 +234,8 @@ def _reader_b(handle, rank, conn):
     mq = MessageQueue.create_from_handle(handle, rank)
     mq.wait_until_ready()
     rec = _Rec()
-    ring = _RingProxy(mq._ring, rec)
-    mq._ring = ring  # only notes when read returned: one perf_counter per message
+    ring = _RingProxy(mq._end.ring, rec)
+    mq._end.ring = ring  # only notes when read returned: one perf_counter per message
     fd = os.open(f"/proc/{os.getpid()}/schedstat", os.O_RDONLY)
     while True:
         # CPU time from a clock that accounts the running slice too (schedstat's on-CPU sum
@@ -341,7 +342,7 @@ def part_b(tp, n_msgs, pause_s, fill_threads=None, size_mb=200):
     nbytes = int(size_mb * (1 << 20))
     # The writer's two steps: pickling (the loan's stub) and the ring write with its wake-up.
     marks = {}
-    dump, send = mq_mod.dump_message, mq._send
+    dump, send = writer_mod.dump_message, mq._end.send
 
     def timed_dump(*a):
         marks["dump_start"] = time.perf_counter()
@@ -354,7 +355,7 @@ def part_b(tp, n_msgs, pause_s, fill_threads=None, size_mb=200):
         finally:
             marks["send_end"] = time.perf_counter()
 
-    mq_mod.dump_message, mq._send = timed_dump, timed_send
+    writer_mod.dump_message, mq._end.send = timed_dump, timed_send
     try:
         for i in range(n_msgs):
             t = mq.empty((nbytes,), torch.uint8)
@@ -401,7 +402,7 @@ def part_b(tp, n_msgs, pause_s, fill_threads=None, size_mb=200):
             # mq.empty falls back to torch.empty when the arena cannot lend: not a loan then.
             raise RuntimeError(f"only {hits.get('loans_sent')} of {n_msgs} tensors were loans")
     finally:
-        mq_mod.dump_message = dump
+        writer_mod.dump_message = dump
         for fd in (wfd, *rfds):
             os.close(fd)
         mq.enqueue(None)

@@ -2,18 +2,28 @@
 
 Knows no transport: a writer hands out ``(slot, generation)`` pairs, something else carries
 them, and a reader with the same arena attached turns them back into tensors.
+
+Imports nothing of this package but the extension and ``settings``; the pickler and the queue
+use a small surface of it, each part documented where it is defined:
+
+* for a transport (the queue): ``needs_flush``, ``give_back_unsent``, ``release_unacquired``,
+  ``write_blob``/``read_blob``, ``stats(holdings=False)``, and ``resolving_stubs(reader)``
+  around each message a reader unpickles;
+* for the pickler (public by convention: underscore names, not for users): ``_write``,
+  ``_abort``, ``_new_reducer``, ``_require_writer`` (the C writer's ``send_loan`` and
+  ``count_decline``), and the module's ``_NAME_BY_DTYPE`` and ``_ARENA_REBUILD_FNS``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import weakref
 from collections.abc import Sequence
 
 import torch
 
+from vllm_shm_arena import settings
 from vllm_shm_arena._ext import _C
 
 #: Default geometry of the fixed-slot layout (the design document's internal constants).
@@ -35,7 +45,8 @@ VARIABLE_MIN_BYTES = 1 << 20
 
 # Name <-> dtype for every dtype a stub may carry. Built from torch's own attributes so new
 # dtypes (fp8 variants, unsigned ints) are picked up without a list to maintain. Quantized
-# dtypes are left out: their bytes alone don't describe the tensor.
+# dtypes are left out: their bytes alone don't describe the tensor. _NAME_BY_DTYPE is part of
+# the pickler's surface (the dtypes a stub, or an out-of-band buffer, can carry).
 _NAME_BY_DTYPE: dict[torch.dtype, str] = {}
 for _obj in vars(torch).values():
     if isinstance(_obj, torch.dtype) and not str(_obj).startswith("torch.q"):
@@ -73,33 +84,25 @@ class ArenaHandle:
 #: This process's attached reader arenas by shm name. Weak values: an entry disappears when
 #: nothing else holds the arena, so the registry never keeps a mapping (or its pinning) alive.
 _TENSOR_ARENAS: weakref.WeakValueDictionary[str, ShmTensorArena] = weakref.WeakValueDictionary()
-#: Per thread, the reader arena stubs resolve to first (set by ``MessageQueue._unpickle``
-#: around each message it unpickles): two ranks of one arena attached in one process share
-#: its name, so the name registry alone would hand one rank's stubs to the other's reader.
+#: Per thread, the reader arena stubs resolve to first (set only by ``resolving_stubs``,
+#: around each message a queue's reader unpickles): two ranks of one arena attached in one
+#: process share its name, so the name registry alone would hand one rank's stubs to the
+#: other's reader.
 _CURRENT_READER = threading.local()
 
 _cuda_seen = False
 #: VLLM_SHM_ARENA_PIN=0 turns page-locking off (the slot then releases as soon as its tensor
 #: dies, and H2D copies from it are pageable). Read once at import.
-_PIN_ENABLED = os.environ.get("VLLM_SHM_ARENA_PIN", "1") != "0"
+_PIN_ENABLED = settings.pin_enabled()
 
 
 def _stream_min_from_env() -> None:
     """VLLM_SHM_ARENA_STREAM_MIN_MB: a message's copies into the arena and the ring use
     streaming stores once they have written this many MiB (default 32; 0 turns them off).
-    Read once at import."""
-    raw = os.environ.get("VLLM_SHM_ARENA_STREAM_MIN_MB")
-    if raw is None:
-        return
-    try:
-        mib = int(raw)
-        if mib < 0:
-            raise ValueError
-    except ValueError:
-        raise ValueError(
-            f"VLLM_SHM_ARENA_STREAM_MIN_MB must be a whole number of MiB >= 0, got {raw!r}"
-        ) from None
-    _C.set_stream_min_bytes(mib << 20)
+    Read once at import; a bad value is a ``ValueError`` naming the variable."""
+    nbytes = settings.stream_min_bytes()
+    if nbytes is not None:
+        _C.set_stream_min_bytes(nbytes)
 
 
 _stream_min_from_env()
@@ -152,8 +155,6 @@ class ShmTensorArena:
         self._handle = handle
         self._closed = False
         self._lock = threading.Lock()
-        self._reducer_cache: list = []  # idle (C reducer, diverted list) pairs
-        self._pickler_cache: list = []  # idle (pickler, BytesIO, buffers, python-reducer?)
         self._may_gate = False  # a reader handed out a pinned tensor: releases are gated
 
     # ----------------------------------------------------------------- construction
@@ -188,7 +189,7 @@ class ShmTensorArena:
             arena_bytes if variable else 0,
             max_allocations,
         )
-        if os.environ.get("VLLM_SHM_ARENA_DEBUG_CHECKSUM") == "1":
+        if settings.debug_checksum():
             w.set_debug_checksum(True)
         handle = ArenaHandle(
             w.name,
@@ -205,7 +206,7 @@ class ShmTensorArena:
         """Attaches as reader ``reader_rank`` and registers the arena in ``_TENSOR_ARENAS``."""
         if not isinstance(handle, ArenaHandle):
             raise TypeError(f"expected an ArenaHandle, got {type(handle).__name__}")
-        pin_chunk = int(os.environ.get("VLLM_SHM_ARENA_PIN_CHUNK_MB", "0")) << 20
+        pin_chunk = settings.pin_chunk_bytes()
         # The handle must describe the arena it names (a handle of another arena would attach
         # silently and resolve stubs against the wrong geometry); checked before the rank is
         # claimed, so a refused attach leaves the rank as it was.
@@ -256,6 +257,8 @@ class ShmTensorArena:
 
     # ----------------------------------------------------------------- writer
     def _require_writer(self):
+        """The C writer (the pickler's surface: its ``send_loan`` and ``count_decline``);
+        ``RuntimeError`` on a reader or once closed."""
         if self._writer is None:
             raise RuntimeError("this ShmTensorArena is a reader; only the writer can write")
         if self._closed:
@@ -263,7 +266,8 @@ class ShmTensorArena:
         return self._writer
 
     def _write(self, tensor: torch.Tensor) -> tuple[int, int] | None:
-        """Copies ``tensor`` into a slot -> ``(slot, generation)``, or ``None`` if declined."""
+        """Copies ``tensor`` into a slot -> ``(slot, generation)``, or ``None`` if declined
+        (the pickler's surface: what a stub names)."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"write_tensor takes a torch.Tensor, got {type(tensor).__name__}")
         return self._require_writer().write_tensor(tensor)
@@ -278,20 +282,12 @@ class ShmTensorArena:
         res = self._write(tensor)
         return None if res is None else res[0]
 
-    def _take_reducer(self, min_bytes: int | None = None):
-        """A (C-level reducer_override, diverted list) pair for one dump (threshold: this
-        layout's ``min_bytes`` unless given). The default-threshold pair is built once and
-        reused: building it costs about as much as pickling a small message."""
-        if min_bytes is None:
-            min_bytes = self.min_bytes
-        if min_bytes == self.min_bytes:
-            with self._lock:
-                if self._reducer_cache:
-                    pair = self._reducer_cache.pop()
-                    pair[1].clear()
-                    return pair
-        diverted: list = []
-        fn = _C.make_reducer(
+    def _new_reducer(self, min_bytes: int, diverted: list):
+        """A C-level ``reducer_override`` that diverts tensors of at least ``min_bytes`` into
+        this arena and appends each ``(slot, generation)`` it wrote to ``diverted`` (the
+        pickler's surface; the pickler pools them: building one costs about as much as
+        pickling a small message)."""
+        return _C.make_reducer(
             self._require_writer(),
             torch.Tensor,
             torch.nn.Parameter,
@@ -301,14 +297,6 @@ class ShmTensorArena:
             min_bytes,
             diverted,
         )
-        return (fn, diverted, min_bytes)
-
-    def _give_back_reducer(self, pair) -> None:
-        if pair[2] != self.min_bytes:
-            return
-        with self._lock:
-            if len(self._reducer_cache) < 4:
-                self._reducer_cache.append(pair)
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype = torch.float32):
         """Writer: a tensor that already lives in the arena (a loan), or ``None`` if the arena
@@ -326,24 +314,9 @@ class ShmTensorArena:
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         return w.empty([int(d) for d in shape], dtype)
 
-    def _take_pickler(self, py_reducer: bool):
-        """A pickler of dump_message's to reuse, or None."""
-        with self._lock:
-            while self._pickler_cache:
-                *cached, flag = self._pickler_cache.pop()
-                if flag == py_reducer:
-                    return tuple(cached)
-        return None
-
-    def _give_back_pickler(self, cached, py_reducer: bool) -> None:
-        with self._lock:
-            if len(self._pickler_cache) < 4:
-                self._pickler_cache.append((*cached, py_reducer))
-                return
-        cached[0].release()
-
     def _abort(self, diverted: Sequence[tuple[int, int]]) -> None:
-        """Gives back slots whose stubs never left this process (a failed dumps)."""
+        """Gives back slots whose stubs never left this process (the pickler's surface: a
+        failed dump)."""
         if self._writer is None:
             raise RuntimeError("this ShmTensorArena is a reader; only the writer can abort")
         # Even after close(), which only unlinks the name: a send that close() interrupted
@@ -351,6 +324,24 @@ class ShmTensorArena:
         w = self._writer
         for slot, gen in diverted:
             w.abort(slot, gen)
+
+    # ----------------------------------------------------------------- for a transport
+    def give_back_unsent(self, allocations: Sequence[tuple[int, int]]) -> None:
+        """Writer: gives back the ``(slot, generation)`` allocations of a message no reader
+        can ever see (its send failed before anything was published, or a blob no ring
+        marker names). Works after ``close()`` too."""
+        self._abort(allocations)
+
+    def write_blob(self, frames: Sequence, max_bytes: int) -> tuple[int, int, int] | None:
+        """Writer: packs a whole message's ``frames`` into one allocation of at most
+        ``max_bytes`` -> ``(slot, generation, nbytes)``, or ``None`` if declined (never waits).
+        The GIL is released during the copy."""
+        return self._require_writer().write_frames(frames, max_bytes)
+
+    def read_blob(self, slot: int, generation: int, nbytes: int) -> list:
+        """Reader: the frames of a blob ``write_blob`` packed, copied out; the blob is released
+        at once."""
+        return self._require_reader().read_frames(slot, generation, nbytes)
 
     # ----------------------------------------------------------------- reader
     def _require_reader(self):
@@ -418,21 +409,31 @@ class ShmTensorArena:
             handle = int(getattr(stream, "cuda_stream", stream))
         return r.flush_releases(handle)
 
-    def _release_unacquired(self, slot: int, generation: int) -> None:
+    @property
+    def needs_flush(self) -> bool:
+        """Reader: whether ``flush_releases`` has anything to do (a pinned tensor was handed
+        out, so releases wait for their CUDA events); a transport calls it before each read."""
+        return self._may_gate
+
+    def release_unacquired(self, slot: int, generation: int) -> None:
+        """Reader: releases a record a message named but this reader never turned into a
+        tensor (the message failed to unpickle), so the writer is not kept waiting for it."""
         self._require_reader().release_unacquired(slot, generation)
 
     # ----------------------------------------------------------------- both
-    def stats(self) -> dict:
+    def stats(self, *, holdings: bool = True) -> dict:
         """Counters. Writer: hits, bytes, declined{too_small, not_contiguous, oversize,
         no_free_slot, no_space, unsupported, no_record}, cold/warm copies and bytes,
         reclaimed, dead_readers, aborted, loans/loans_sent/loans_returned, in_use,
         free_bytes/largest_free (variable layout), holdings (per reader: state, slots held,
-        age of the oldest). Reader: held, pinned_bytes, pending_releases, pin statistics,
-        checksum_mismatches (with VLLM_SHM_ARENA_DEBUG_CHECKSUM=1 on the writer: releases whose
-        slot bytes had changed since the write, e.g. an in-place write by a reader)."""
+        age of the oldest; ``holdings=False`` leaves that walk out). Reader: held,
+        pinned_bytes, pending_releases, pin statistics, checksum_mismatches (with
+        VLLM_SHM_ARENA_DEBUG_CHECKSUM=1 on the writer: releases whose slot bytes had changed
+        since the write, e.g. an in-place write by a reader)."""
         if self._writer is not None:
             s = self._writer.stats()
-            s["holdings"] = self._writer.holdings()
+            if holdings:
+                s["holdings"] = self._writer.holdings()
             return s
         if self._reader is None:  # closed: the totals at close
             return dict(self._final_stats)
@@ -472,6 +473,29 @@ class ShmTensorArena:
         return f"ShmTensorArena({role}, name={self.name!r}, {self.layout})"
 
 
+class resolving_stubs:
+    """``with resolving_stubs(reader):`` stubs unpickled in this thread inside the block
+    resolve to ``reader`` first (a reader ``ShmTensorArena``, closed or not), then to the
+    registry of attached arenas. Two ranks of one arena attached in one process share its name:
+    a queue's reader unpickles each message inside this block so that its stubs resolve to its
+    own rank. Nests; the previous reader is restored on leaving, exception or not."""
+
+    __slots__ = ("_reader", "_prev")
+
+    def __init__(self, reader: ShmTensorArena) -> None:
+        if not isinstance(reader, ShmTensorArena) or reader.is_writer:
+            raise TypeError(f"resolving_stubs takes a reader ShmTensorArena, got {reader!r}")
+        self._reader = reader
+
+    def __enter__(self) -> ShmTensorArena:
+        self._prev = getattr(_CURRENT_READER, "arena", None)
+        _CURRENT_READER.arena = self._reader
+        return self._reader
+
+    def __exit__(self, *exc) -> None:
+        _CURRENT_READER.arena = self._prev
+
+
 def _lookup(arena_name: str) -> ShmTensorArena:
     current = getattr(_CURRENT_READER, "arena", None)
     if current is not None and current.name == arena_name:
@@ -502,7 +526,7 @@ def _rebuild_arena_parameter(arena_name, slot_idx, generation, nbytes, dtype_str
 
 
 #: The exact types the arena diverts; any other Tensor subclass keeps its identity through
-#: the ordinary reduction.
+#: the ordinary reduction (the pickler's surface: the rebuild hook each stub names).
 _ARENA_REBUILD_FNS = {
     torch.Tensor: _rebuild_arena_tensor,
     torch.nn.Parameter: _rebuild_arena_parameter,

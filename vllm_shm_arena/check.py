@@ -44,11 +44,11 @@ import os
 import sys
 from typing import Any
 
-from vllm_shm_arena import vllm_plugin
+from vllm_shm_arena import settings, vllm_plugin
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
-#: Where vLLM's executor takes its broadcast ring's chunk size from (MiB), and its chunk count.
-_CHUNK_MB_ENV = "VLLM_MQ_MAX_CHUNK_BYTES_MB"
+#: vLLM's broadcast ring: its chunk size when VLLM_MQ_MAX_CHUNK_BYTES_MB gives none (MiB), and
+#: its chunk count.
 _DEFAULT_CHUNK_MB = 16
 _RING_CHUNKS = 10
 _ENTRY_POINT_GROUP = "vllm.general_plugins"
@@ -285,7 +285,7 @@ def check_entry_point() -> Result:
 def check_vllm_plugins_env() -> Result:
     """``VLLM_PLUGINS``: unset (every plugin loads) or listing ``shm_tensor_arena``."""
     name = vllm_plugin.PLUGIN_NAME
-    raw = os.environ.get("VLLM_PLUGINS")
+    raw = settings.vllm_plugins()
     if raw is None:
         return Result(OK, "VLLM_PLUGINS", "not set: vLLM loads every installed plugin")
     names = raw.split(",")  # vLLM's own parsing: no stripping
@@ -303,10 +303,8 @@ def check_vllm_plugins_env() -> Result:
 
 
 def _ring_bytes() -> int:
-    raw = os.environ.get(_CHUNK_MB_ENV, str(_DEFAULT_CHUNK_MB))
-    try:
-        mb = int(raw)
-    except ValueError:
+    mb = settings.mq_max_chunk_mb()
+    if mb is None:
         mb = _DEFAULT_CHUNK_MB
     return _RING_CHUNKS * max(mb, 1) * _MIB
 
@@ -402,7 +400,7 @@ def check_cuda() -> Result:
 
 def check_pinning(shm_dir: str | None, cuda: Result) -> Result:
     """``pinning``: a reader page-locks a small arena (needs the CUDA context ``cuda`` made)."""
-    if os.environ.get("VLLM_SHM_ARENA_PIN", "1") == "0":
+    if not settings.pin_enabled():
         return Result(WARN, "pinning", "off (VLLM_SHM_ARENA_PIN=0): H2D copies are pageable")
     if cuda.status != OK:
         return Result(WARN, "pinning", "cannot test pinning: no usable CUDA runtime (see cuda)")

@@ -42,6 +42,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from vllm_shm_arena import settings
+
 logger = logging.getLogger("vllm_shm_arena")
 
 #: Name prefix, as vLLM's own metrics.
@@ -71,7 +73,7 @@ def __getattr__(name: str) -> Any:
 
 
 def _multiproc_dir() -> str | None:
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+    return settings.prometheus_multiproc_dir()
 
 
 class _Metrics:

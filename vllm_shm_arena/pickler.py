@@ -9,20 +9,24 @@ Two layers, bottom to top:
 * ``_ArenaPickler``: additionally diverts large contiguous CPU tensors (and ``Parameter``)
   into a ``ShmTensorArena`` and pickles a ~100-byte stub in their place.
 
-Knows the arena, not the queue.
+Knows the arena (through the surface arena.py documents for it), not the queue; the arena
+knows nothing of the pickler. The pickler's reusable state (idle picklers and C reducers, per
+writer arena) lives here, in ``_Pools``.
 """
 
 from __future__ import annotations
 
 import copyreg
 import io
-import os
 import pickle
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from vllm_shm_arena import settings
 from vllm_shm_arena._ext import _C
 from vllm_shm_arena.arena import (
     _ARENA_REBUILD_FNS,
@@ -34,7 +38,9 @@ from vllm_shm_arena.arena import (
 PROTOCOL = 5
 #: Use the Python reference reducer_override instead of the C callable (for tests and
 #: comparison). VLLM_SHM_ARENA_PY_REDUCER=1 sets it at import; tests set the attribute.
-_USE_PY_REDUCER = os.environ.get("VLLM_SHM_ARENA_PY_REDUCER") == "1"
+_USE_PY_REDUCER = settings.py_reducer()
+#: Most idle picklers, and most idle C reducers, kept per arena.
+_POOL_SIZE = 4
 # The decline reasons the reference reducer decides itself, looked up in the core's list
 # (_C.DECLINE_REASONS) at import: a name the core does not have fails here, with a KeyError.
 _DECLINE_REASONS = {name: name for name in _C.DECLINE_REASONS}
@@ -110,6 +116,75 @@ class _OOBPickler(pickle.Pickler):
         super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)
 
 
+class _Pools:
+    """Idle picklers and C reducers of one writer arena, reused across messages: building
+    either costs about as much as pickling a small message.
+
+    Held in ``_POOLS`` by the arena, weakly: nothing here keeps the arena alive (an idle
+    pickler's ``arena`` is cleared while it waits), so the pools go with their arena.
+    """
+
+    __slots__ = ("_lock", "_reducers", "_picklers", "__weakref__")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reducers: list = []  # idle (C reducer, diverted list, min_bytes)
+        self._picklers: list = []  # idle (pickler, BytesIO, buffers, python reducer?)
+
+    def take_reducer(self, arena: ShmTensorArena, min_bytes: int | None = None):
+        """A (C-level reducer_override, diverted list, min_bytes) for one dump (threshold:
+        the layout's ``min_bytes`` unless given). Only default-threshold ones are pooled."""
+        if min_bytes is None:
+            min_bytes = arena.min_bytes
+        if min_bytes == arena.min_bytes:
+            with self._lock:
+                if self._reducers:
+                    entry = self._reducers.pop()
+                    entry[1].clear()
+                    return entry
+        diverted: list = []
+        return (arena._new_reducer(min_bytes, diverted), diverted, min_bytes)
+
+    def give_back_reducer(self, arena: ShmTensorArena, entry) -> None:
+        if entry[2] != arena.min_bytes:
+            return
+        with self._lock:
+            if len(self._reducers) < _POOL_SIZE:
+                self._reducers.append(entry)
+
+    def take_pickler(self, arena: ShmTensorArena, py_reducer: bool):
+        """An idle (pickler, BytesIO, buffers) of ``dump_message``'s, made ``arena``'s again,
+        or None."""
+        with self._lock:
+            while self._picklers:
+                *cached, flag = self._picklers.pop()
+                if flag == py_reducer:
+                    cached[0].arena = arena
+                    return tuple(cached)
+        return None
+
+    def give_back_pickler(self, cached, py_reducer: bool) -> None:
+        with self._lock:
+            if len(self._picklers) < _POOL_SIZE:
+                cached[0].arena = None  # an idle pickler must not keep its arena alive
+                self._picklers.append((*cached, py_reducer))
+                return
+        cached[0].release()
+
+
+#: Each writer arena's pools (weak keys: they go with the arena).
+_POOLS: weakref.WeakKeyDictionary[ShmTensorArena, _Pools] = weakref.WeakKeyDictionary()
+_POOLS_LOCK = threading.Lock()
+
+
+def _pools(arena: ShmTensorArena) -> _Pools:
+    pools = _POOLS.get(arena)
+    if pools is None:
+        with _POOLS_LOCK:
+            pools = _POOLS.setdefault(arena, _Pools())
+    return pools
+
+
 class _ArenaPickler(pickle.Pickler):
     """Out-of-band pickler that also diverts large tensors into a ``ShmTensorArena``.
 
@@ -120,7 +195,7 @@ class _ArenaPickler(pickle.Pickler):
     tensor-free messages at full speed.
 
     Slots used during a ``dump`` are listed in ``diverted``; if the dump fails, give them
-    back with ``arena._abort(pickler.diverted)`` (``dumps`` does).
+    back with ``arena.give_back_unsent(pickler.diverted)`` (``dumps`` does).
     """
 
     dispatch_table = _dispatch_table()
@@ -134,15 +209,15 @@ class _ArenaPickler(pickle.Pickler):
             self.diverted: list[tuple[int, int]] = []
         else:
             # An instance attribute shadows the method; pickle looks it up at __init__.
-            self._cached = arena._take_reducer(min_bytes)
+            self._cached = _pools(arena).take_reducer(arena, min_bytes)
             self.reducer_override, self.diverted, _ = self._cached
         super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)
 
     def release(self) -> None:
-        """Hands the arena's cached C reducer back for the next message (optional: a pickler
+        """Hands the arena's pooled C reducer back for the next message (optional: a pickler
         that never releases it only makes the next one build its own)."""
         if self._cached is not None:
-            self.arena._give_back_reducer(self._cached)
+            _pools(self.arena).give_back_reducer(self.arena, self._cached)
             self._cached = None
 
     def reducer_override(self, obj):
@@ -196,7 +271,8 @@ def dump_message(obj: Any, arena: ShmTensorArena | None = None) -> Dumped:
         return Dumped(f.getvalue(), buffers, [])
     # A pickler (with its BytesIO and buffer list) is reused across messages: building one
     # costs about as much as pickling a small message.
-    cached = arena._take_pickler(_USE_PY_REDUCER)
+    pools = _pools(arena)
+    cached = pools.take_pickler(arena, _USE_PY_REDUCER)
     if cached is None:
         bufs: list = []
         bio = io.BytesIO()
@@ -214,7 +290,7 @@ def dump_message(obj: Any, arena: ShmTensorArena | None = None) -> Dumped:
     bufs.clear()
     p.diverted.clear()
     p.clear_memo()
-    arena._give_back_pickler(cached, _USE_PY_REDUCER)
+    pools.give_back_pickler(cached, _USE_PY_REDUCER)
     return out
 
 

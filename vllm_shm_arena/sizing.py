@@ -53,12 +53,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import weakref
 from collections.abc import Mapping
 
-from vllm_shm_arena import metrics
+from vllm_shm_arena import metrics, settings
 from vllm_shm_arena._ext import _C
 from vllm_shm_arena.arena import (
     DEFAULT_ARENA_BYTES,
@@ -110,60 +109,29 @@ class Layout:
         return _mib(self.arena_bytes) + ("" if short else " variable-size")
 
 
-def _env_int(environ: Mapping[str, str], name: str, default: int, minimum: int) -> int:
-    raw = environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise ValueError(f"{name} must be a whole number >= {minimum}, got {raw!r}")
-    return value
-
-
 def layout_from_env(environ: Mapping[str, str] | None = None) -> Layout:
     """The arena ``VLLM_SHM_ARENA_POLICY``/``_MB``/``_MAX_ALLOCATIONS``/``_NUM_SLOTS``/
-    ``_SLOT_MB`` describe now (the queue reads them once, at import). ``ValueError`` naming the
-    variable for a bad value."""
-    env = os.environ if environ is None else environ
-    policy = env.get("VLLM_SHM_ARENA_POLICY", "variable")
-    if policy not in ("variable", "fixed"):
-        raise ValueError(f"VLLM_SHM_ARENA_POLICY must be 'variable' or 'fixed', got {policy!r}")
+    ``_SLOT_MB`` describe now (the queue reads them once, at import: mq/writer.py).
+    ``ValueError`` naming the variable for a bad value (settings.py)."""
     return Layout(
-        policy=policy,
-        arena_bytes=_env_int(env, "VLLM_SHM_ARENA_MB", DEFAULT_ARENA_BYTES >> 20, 1) << 20,
-        max_allocations=_env_int(env, "VLLM_SHM_ARENA_MAX_ALLOCATIONS", DEFAULT_MAX_ALLOCATIONS, 1),
-        num_slots=_env_int(env, "VLLM_SHM_ARENA_NUM_SLOTS", DEFAULT_NUM_SLOTS, 1),
-        slot_bytes=_env_int(env, "VLLM_SHM_ARENA_SLOT_MB", DEFAULT_SLOT_BYTES >> 20, 1) << 20,
+        policy=settings.arena_policy(environ),
+        arena_bytes=settings.arena_bytes(environ),
+        max_allocations=settings.arena_max_allocations(environ),
+        num_slots=settings.arena_num_slots(environ),
+        slot_bytes=settings.arena_slot_bytes(environ),
     )
 
 
 def free_fraction(environ: Mapping[str, str] | None = None) -> float:
     """``VLLM_SHM_ARENA_FREE_FRACTION``: the share of the pool a shrunk arena takes, in (0, 1]
     (default 0.5). ``ValueError`` naming the variable otherwise."""
-    env = os.environ if environ is None else environ
-    raw = env.get(FREE_FRACTION_ENV)
-    if raw is None or raw == "":
-        return DEFAULT_FREE_FRACTION
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (0.0 < value <= 1.0):  # NaN fails too
-        raise ValueError(
-            f"{FREE_FRACTION_ENV} must be a number in (0, 1] (the share of the free shared "
-            f"memory a smaller arena may take), got {raw!r}"
-        )
-    return value
+    return settings.free_fraction(environ)
 
 
 def min_bytes(environ: Mapping[str, str] | None = None) -> int:
     """``VLLM_SHM_ARENA_MIN_MB``: the smallest variable-size arena worth creating, in bytes
     (default 64 MiB). ``ValueError`` naming the variable for anything but a whole number >= 1."""
-    env = os.environ if environ is None else environ
-    return _env_int(env, MIN_MB_ENV, DEFAULT_MIN_BYTES >> 20, 1) << 20
+    return settings.min_arena_bytes(environ)
 
 
 # ---------------------------------------------------------------------------- measuring

@@ -725,9 +725,9 @@ def _versions() -> dict[str, str]:
 
 def _queue_min_bytes() -> int:
     """The divert threshold of the arena the plugin's queue builds (its layout's)."""
-    from vllm_shm_arena import arena, message_queue
+    from vllm_shm_arena import arena, settings
 
-    if message_queue._ARENA_POLICY == "fixed":
+    if settings.arena_policy() == "fixed":
         return arena.MIN_BYTES
     return arena.VARIABLE_MIN_BYTES
 

@@ -262,13 +262,13 @@ def stress_reader(handle, rank, seed, n, plan, q):
 def stress_main(seed: int, n: int, n_readers: int, n_oversize: int) -> None:
     """Writer of the stress scenario (geometry from VLLM_SHM_ARENA_* in the environment).
     Prints one ``RESULT {json}`` line."""
-    from vllm_shm_arena import message_queue
+    from vllm_shm_arena.mq import writer as mq_writer
 
     print(f"stress: VSA_SEED={seed} n={n} readers={n_readers}", flush=True)
     kids = Kids("fork")
     mq = MessageQueue(n_readers, n_readers, enable_shm_tensor_arena=True)
     try:
-        plan = stress_plan(seed, n, n_oversize, message_queue._ARENA_SLOT_BYTES)
+        plan = stress_plan(seed, n, n_oversize, mq_writer._ARENA_SLOT_BYTES)
         q = kids.ctx.Queue()
         for rank in range(n_readers):
             kids.start(stress_reader, mq.export_handle(), rank, seed, n, plan, q)

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mq_helpers as H  # noqa: E402
 from mq_helpers import ready_in_threads  # noqa: E402
 
-from vllm_shm_arena import MessageQueue, message_queue  # noqa: E402
+from vllm_shm_arena import MessageQueue  # noqa: E402
+from vllm_shm_arena.mq import writer as mq_writer  # noqa: E402
 
 MiB = H.MiB
 SHM = Path(os.environ["VLLM_SHM_ARENA_SHM_DIR"])  # the session's private dir (conftest.py)
@@ -53,9 +54,9 @@ def geometry(monkeypatch):
     process (readers take it from the handle). The env variables only act at import."""
 
     def set_(num_slots: int, slot_mb: int) -> None:
-        monkeypatch.setattr(message_queue, "_ARENA_POLICY", "fixed")
-        monkeypatch.setattr(message_queue, "_ARENA_NUM_SLOTS", num_slots)
-        monkeypatch.setattr(message_queue, "_ARENA_SLOT_BYTES", slot_mb << 20)
+        monkeypatch.setattr(mq_writer, "_ARENA_POLICY", "fixed")
+        monkeypatch.setattr(mq_writer, "_ARENA_NUM_SLOTS", num_slots)
+        monkeypatch.setattr(mq_writer, "_ARENA_SLOT_BYTES", slot_mb << 20)
 
     return set_
 
@@ -75,7 +76,7 @@ def arena_stats(mq) -> dict:
 # ------------------------------------------------------------------------ 1. stress
 def _run_stress(seed: int, n: int, timeout: float) -> dict:
     """Runs mq_helpers.stress_main in a fresh interpreter with 8 x 64 MiB slots (the env is
-    read when message_queue is imported) as its own process group -> the RESULT dict."""
+    read when the queue is imported) as its own process group -> the RESULT dict."""
     env = dict(os.environ)
     env.update(
         VLLM_SHM_ARENA_POLICY="fixed", VLLM_SHM_ARENA_SLOT_MB="64", VLLM_SHM_ARENA_NUM_SLOTS="8"

@@ -174,7 +174,7 @@ def test_writer_totals_settle_without_another_message(monkeypatch):
 
     import torch
 
-    import vllm_shm_arena.message_queue as mq_mod
+    import vllm_shm_arena.mq.reporting as mq_mod
     from vllm_shm_arena import MessageQueue
 
     seen = []

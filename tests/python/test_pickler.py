@@ -290,15 +290,15 @@ def test_failed_loads_releases_acquired_stub(arena, rand):
 
 def test_unacquired_stub_released_by_release_unacquired(arena, rand):
     """A loads that fails before reaching the stub never acquires it: the transport gives
-    it back with _release_unacquired (and a second call is a no-op)."""
+    it back with release_unacquired (and a second call is a no-op)."""
     t = big(rand, torch.float32)
     data, bufs, diverted = arena_dumps([rand((5,), torch.float32), t], arena.writer)
     with pytest.raises(pickle.UnpicklingError):
         loads(data, [])
     assert arena.in_use() == 1
     (slot, gen) = diverted[0]
-    arena.reader._release_unacquired(slot, gen)
-    arena.reader._release_unacquired(slot, gen)
+    arena.reader.release_unacquired(slot, gen)
+    arena.reader.release_unacquired(slot, gen)
     assert arena.in_use() == 0
 
 

@@ -26,7 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mq_helpers as H  # noqa: E402
 from mq_helpers import ready_in_threads  # noqa: E402
 
-from vllm_shm_arena import MessageQueue, message_queue  # noqa: E402
+from vllm_shm_arena import MessageQueue  # noqa: E402
+from vllm_shm_arena._ext import _C  # noqa: E402
+from vllm_shm_arena.mq import writer as mq_writer  # noqa: E402
 
 MiB = H.MiB
 
@@ -148,7 +150,7 @@ def test_reader_after_overflow_marker_wakes_on_writer_shutdown(shm_dir, writers)
     r = MessageQueue.create_from_handle(mq.export_handle(), 0)
     writers(r)
     ready_in_threads(mq, [r])
-    assert mq._ring.write_marker(message_queue._C.RING_FLAG_OVERFLOW, 5.0)
+    assert mq._end.ring.write_marker(_C.RING_FLAG_OVERFLOW, 5.0)
     mq.shutdown()
     th, out = H.dequeue_in_thread(r)
     th.join(15)
@@ -163,9 +165,9 @@ def test_enqueue_interrupted_by_shutdown_raises_shutdown_and_gives_back_slots(
     """An ``enqueue`` blocked on a full ring (its tensor already copied into the arena) is
     interrupted by ``shutdown()`` from another thread: it raises the shutdown error (not
     "arena ... is closed" from its cleanup path) and its arena allocation goes back."""
-    monkeypatch.setattr(message_queue, "_ARENA_POLICY", "fixed")
-    monkeypatch.setattr(message_queue, "_ARENA_NUM_SLOTS", 2)
-    monkeypatch.setattr(message_queue, "_ARENA_SLOT_BYTES", 16 * MiB)
+    monkeypatch.setattr(mq_writer, "_ARENA_POLICY", "fixed")
+    monkeypatch.setattr(mq_writer, "_ARENA_NUM_SLOTS", 2)
+    monkeypatch.setattr(mq_writer, "_ARENA_SLOT_BYTES", 16 * MiB)
     mq = MessageQueue(1, 1, max_chunk_bytes=1 * MiB, max_chunks=1, enable_shm_tensor_arena=True)
     writers(mq)
     r = MessageQueue.create_from_handle(mq.export_handle(), 0)
@@ -302,9 +304,9 @@ def test_two_ranks_of_one_queue_in_one_process_resolve_their_own_stubs(
     and once both let go every allocation is back (none is left held by rank 0 while rank 1
     was charged twice)."""
     print(f"VSA_SEED={seed}")
-    monkeypatch.setattr(message_queue, "_ARENA_POLICY", "fixed")
-    monkeypatch.setattr(message_queue, "_ARENA_NUM_SLOTS", 4)
-    monkeypatch.setattr(message_queue, "_ARENA_SLOT_BYTES", 16 * MiB)
+    monkeypatch.setattr(mq_writer, "_ARENA_POLICY", "fixed")
+    monkeypatch.setattr(mq_writer, "_ARENA_NUM_SLOTS", 4)
+    monkeypatch.setattr(mq_writer, "_ARENA_SLOT_BYTES", 16 * MiB)
     mq = MessageQueue(2, 2, enable_shm_tensor_arena=True)
     writers(mq)
     readers = [MessageQueue.create_from_handle(mq.export_handle(), rank) for rank in (0, 1)]

@@ -87,7 +87,7 @@ def test_a_timed_out_dequeue_leaves_the_queue_as_it_was(arena):
             errors.append(e)
 
     if arena:  # a blob would carry it without the socket: keep the arena from taking it
-        w._blob_max = 0
+        w._end.blob_max = 0
     th = threading.Thread(target=send, daemon=True)
     th.start()
     try:
@@ -202,7 +202,7 @@ def test_an_exception_right_after_the_ring_published_never_frees_the_message():
     the next message must not be copied over it (before: all of it overwritten, then 'stale
     stub' for the reader)."""
     w, (r,) = _pair(arena=True, chunk=1 * MiB, chunks=4)
-    real_ring = w._ring
+    real_ring = w._end.ring
     fired = []
 
     def interrupt_once(real, *a, **kw):
@@ -214,11 +214,11 @@ def test_an_exception_right_after_the_ring_published_never_frees_the_message():
 
     t1 = torch.full((512 << 10,), 7, dtype=torch.int32)  # 2 MiB: into the arena
     try:
-        w._ring = _Proxy(real_ring, "write", interrupt_once)
+        w._end.ring = _Proxy(real_ring, "write", interrupt_once)
         with pytest.raises(KeyboardInterrupt) as ei:
             w.enqueue({"t": t1}, timeout=10)
         assert "was sent" in "".join(getattr(ei.value, "__notes__", []))
-        w._ring = real_ring
+        w._end.ring = real_ring
         m1 = r.dequeue(timeout=10)
         assert torch.equal(m1["t"], t1)
         w.enqueue({"t": torch.full((512 << 10,), 9, dtype=torch.int32)}, timeout=10)
@@ -227,27 +227,27 @@ def test_an_exception_right_after_the_ring_published_never_frees_the_message():
         assert torch.equal(m1["t"], t1), "the next message was written over a held tensor"
         assert w.stats()["arena"]["aborted"] == 0
     finally:
-        w._ring = real_ring
+        w._end.ring = real_ring
         _close(w, r)
 
 
 def test_an_exception_before_anything_was_sent_gives_the_slots_back():
     w, (r,) = _pair(arena=True, chunk=1 * MiB, chunks=4)
-    real_ring = w._ring
+    real_ring = w._end.ring
 
     def interrupt(real, *a, **kw):
         raise KeyboardInterrupt
 
     try:
-        w._ring = _Proxy(real_ring, "reserve", interrupt)
+        w._end.ring = _Proxy(real_ring, "reserve", interrupt)
         with pytest.raises(KeyboardInterrupt):
             w.enqueue({"t": torch.ones(512 << 10, dtype=torch.int32)}, timeout=10)
-        w._ring = real_ring
+        w._end.ring = real_ring
         assert w.stats()["arena"]["aborted"] == 1
         w.enqueue("next", timeout=10)
         assert r.dequeue(timeout=10) == "next"  # nothing half-sent in between
     finally:
-        w._ring = real_ring
+        w._end.ring = real_ring
         _close(w, r)
 
 
@@ -279,7 +279,7 @@ def test_an_interrupted_multipart_send_breaks_the_queue_instead_of_corrupting_it
 def test_a_broken_queue_lends_no_arena_memory():
     w, (r,) = _pair(arena=True)
     try:
-        w._break("test")
+        w._end.break_off("test")
         with pytest.raises(RuntimeError, match="broken"):
             w.empty((1024,), torch.float32)
     finally:
@@ -381,16 +381,13 @@ def test_a_stub_resolved_after_its_readers_queue_shut_down_raises_clearly():
     try:
         w.enqueue(torch.ones(512 << 10), timeout=10)
         frames = None
-        status, _flags, frames = r._ring.read(10.0)
+        status, _flags, frames = r._end.ring.read(10.0)
         assert status == "ok"
         reader_arena = r.arena
         r.shutdown()
-        arena_mod._CURRENT_READER.arena = reader_arena
-        try:
+        with arena_mod.resolving_stubs(reader_arena):
             with pytest.raises(RuntimeError, match="closed|not attached"):
                 pickle.loads(frames[1], buffers=frames[2:])
-        finally:
-            arena_mod._CURRENT_READER.arena = None
     finally:
         _close(w)
 
@@ -471,7 +468,7 @@ def test_a_reader_never_takes_a_message_from_another_user_after_its_connection_d
         # The queue announces an overflow message, then its socket goes away.
         from vllm_shm_arena._ext import _C
 
-        w._ring.write_marker(_C.RING_FLAG_OVERFLOW, 5.0)
+        w._end.ring.write_marker(_C.RING_FLAG_OVERFLOW, 5.0)
         w.local_socket.close(linger=0)
         with pytest.raises(RuntimeError, match="connection|shut down"):
             r.dequeue(timeout=5)

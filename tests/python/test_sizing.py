@@ -25,8 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mq_helpers import ready_in_threads  # noqa: E402
 
-from vllm_shm_arena import MessageQueue, message_queue, metrics, sizing  # noqa: E402
+from vllm_shm_arena import MessageQueue, metrics, sizing  # noqa: E402
 from vllm_shm_arena.arena import ShmTensorArena  # noqa: E402
+from vllm_shm_arena.mq import writer as mq_writer  # noqa: E402
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -184,7 +185,7 @@ def tmpfs(monkeypatch):
         ("_ARENA_BYTES", 2048 * MiB),
         ("_ARENA_MAX_ALLOCATIONS", 1024),
     ):
-        monkeypatch.setattr(message_queue, name, value)
+        monkeypatch.setattr(mq_writer, name, value)
     for var in ("VLLM_SHM_ARENA_FREE_FRACTION", "VLLM_SHM_ARENA_MIN_MB"):
         monkeypatch.delenv(var, raising=False)
     try:
@@ -286,9 +287,9 @@ def test_queues_created_one_after_another_get_equal_shares(tmpfs):
 
 def test_the_fixed_layout_on_a_small_tmpfs_gets_fewer_slots(tmpfs, monkeypatch):
     tmpfs("1g")
-    monkeypatch.setattr(message_queue, "_ARENA_POLICY", "fixed")
-    monkeypatch.setattr(message_queue, "_ARENA_NUM_SLOTS", 8)
-    monkeypatch.setattr(message_queue, "_ARENA_SLOT_BYTES", 128 * MiB)  # 1 GiB: does not fit
+    monkeypatch.setattr(mq_writer, "_ARENA_POLICY", "fixed")
+    monkeypatch.setattr(mq_writer, "_ARENA_NUM_SLOTS", 8)
+    monkeypatch.setattr(mq_writer, "_ARENA_SLOT_BYTES", 128 * MiB)  # 1 GiB: does not fit
     mq = MessageQueue(2, 2, enable_shm_tensor_arena=True)
     try:
         # Half of 864 MiB: three 128 MiB slots and the tables.

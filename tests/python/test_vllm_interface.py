@@ -10,7 +10,7 @@ import threading
 import pytest
 from mq_helpers import ready_in_threads
 
-import vllm_shm_arena.message_queue as mq_mod
+import vllm_shm_arena.mq.reader as mq_mod
 from vllm_shm_arena import MessageQueue
 
 

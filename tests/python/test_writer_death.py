@@ -42,8 +42,8 @@ mq.enqueue({"n": 2})
 if mode == "mid_overflow":
     # Publishes the ring's overflow marker, then dies before the socket frames go out (no
     # blob: the message must go over the socket).
-    mq._blob_max = 0
-    mq._send_socket = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    mq._end.blob_max = 0
+    mq._end.sockets.send = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
     mq.enqueue({"n": 3, "blob": b"x" * (4 << 20)})
 print("sent", flush=True)
 sys.stdin.readline()
@@ -172,21 +172,21 @@ def test_liveness_verdicts_other_than_alive_are_logged_once_per_new_count(caplog
             return self.unknown
 
     mq = MessageQueue(1, 1)
-    real, fake = mq._ring, Ring()
-    mq._ring = fake
+    real, fake = mq._end.ring, Ring()
+    mq._end.ring = fake
     try:
         with caplog.at_level(logging.WARNING, logger="vllm_shm_arena"):
-            mq._report_liveness()
+            mq._end.report_liveness()
             fake.dropped, fake.unknown = 1, 3
-            mq._report_liveness()
-            mq._report_liveness()  # nothing new: nothing logged
+            mq._end.report_liveness()
+            mq._end.report_liveness()  # nothing new: nothing logged
             fake.dropped = 2
-            mq._report_liveness()
+            mq._end.report_liveness()
         lines = [r.getMessage() for r in caplog.records]
         assert sum("found dead" in m for m in lines) == 2, lines
         assert sum("got no answer" in m for m in lines) == 1, lines
     finally:
-        mq._ring = real
+        mq._end.ring = real
         mq.shutdown()
 
 

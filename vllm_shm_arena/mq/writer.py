@@ -1,0 +1,419 @@
+"""The writer's end of a queue: the send path (ring reserve -> arena blob -> remote socket ->
+ring publish / local socket), what an interrupted send has committed (``Sending``,
+``settle``), and the broken state a half-sent message leaves.
+
+Exactly once, in order: every wait of a send comes before anything is committed, and an
+exception at any point is settled from what the ring and the sockets actually took, never
+from where Python was. A message no reader can ever see gives its arena allocations back; a
+message any reader can see is finished; a half-sent socket message breaks the queue (it
+cannot go on in order), and readers get a clear error after the messages before it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from typing import Any
+
+from vllm_shm_arena import metrics, settings, sizing
+from vllm_shm_arena._ext import _C
+from vllm_shm_arena.arena import ShmTensorArena
+from vllm_shm_arena.mq.end import End
+from vllm_shm_arena.mq.lifecycle import DRAIN_S, NOGIL, WAIT_SLICE_S
+from vllm_shm_arena.mq.protocol import (
+    BLOB_FLAGS,
+    BLOB_MARKER,
+    FLAG_OVERFLOW,
+    TOKEN_BYTES,
+    Handle,
+    diverted_header,
+)
+from vllm_shm_arena.mq.transport import WriterSockets, local_ip
+from vllm_shm_arena.pickler import Dumped, dump_message, dumps_inband
+
+logger = logging.getLogger("vllm_shm_arena")
+
+#: Blobs may hold at most this share of the arena (a slow reader's backlog of overflow
+#: messages must not starve tensors): 1/_BLOB_SHARE of it, split over the most blobs that can
+#: be in flight at once (one per ring chunk, plus one per reader copying one out).
+_BLOB_SHARE = 4
+
+#: Arena geometry of the queues this process creates (read once, at import; settings.py).
+#: "variable": one region of _ARENA_BYTES packing any tensor up to its size (the default);
+#: "fixed": _ARENA_NUM_SLOTS slots of _ARENA_SLOT_BYTES (the design document's layout). The
+#: policy is checked when a queue asks for an arena, so a bad one never fails a queue without.
+_ARENA_POLICY = settings.arena_policy_unchecked()
+_ARENA_BYTES = settings.arena_bytes()
+_ARENA_MAX_ALLOCATIONS = settings.arena_max_allocations()
+_ARENA_NUM_SLOTS = settings.arena_num_slots()
+_ARENA_SLOT_BYTES = settings.arena_slot_bytes()
+
+
+def _create_arena(n_readers: int, ring) -> tuple[ShmTensorArena | None, sizing.ArenaSize]:
+    """The arena for a new queue beside its ``ring``: shaped by the settings above, smaller
+    (or none) where the shm directory cannot hold it (sizing.py, which logs why).
+    -> (arena or None, the size chosen)."""
+    layout = sizing.Layout(
+        settings.check_arena_policy(_ARENA_POLICY),
+        _ARENA_BYTES,
+        _ARENA_MAX_ALLOCATIONS,
+        _ARENA_NUM_SLOTS,
+        _ARENA_SLOT_BYTES,
+    )
+    return sizing.create_arena(n_readers, layout, ring.dir, os.path.join(ring.dir, ring.name))
+
+
+def check_int(name: str, value, minimum: int) -> None:
+    """``ValueError`` naming the argument unless ``value`` is an int (not a bool) >=
+    ``minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+class Sending:
+    """What one enqueue has committed so far, recorded step by step (see ``settle``)."""
+
+    __slots__ = ("diverted", "fits", "blob", "ring_seq", "sent", "socket_owed")
+
+    def __init__(self, diverted: list) -> None:
+        self.diverted = diverted
+        self.fits = False
+        self.blob: tuple[int, int, int] | None = None  # (slot, generation, nbytes)
+        self.ring_seq: int | None = None  # ring.published() just before the publish
+        self.sent: dict[int, int] = {}  # id(socket) -> frames queued on it
+        self.socket_owed = False  # the ring announced it; the local socket has not taken it
+
+
+class WriterEnd(End):
+    """The writer: a ring for node-local readers (with the local socket for messages too big
+    for a chunk, and an arena when asked for), a TCP socket for remote readers."""
+
+    ROLE = "writer"
+    CLOSE_DRAIN_S = DRAIN_S
+
+    @staticmethod
+    def check_args(
+        n_reader: int,
+        n_local_reader: int,
+        local_reader_ranks: list[int] | None,
+        max_chunk_bytes: int,
+        max_chunks: int,
+        connect_ip: str | None,
+        enable_arena: bool,
+    ) -> tuple[list[int], str | None]:
+        """Every argument, checked before anything (ring, socket, arena) is created ->
+        (local_reader_ranks, connect_ip) with their defaults filled in."""
+        check_int("n_reader", n_reader, 0)
+        check_int("n_local_reader", n_local_reader, 0)
+        if n_local_reader > n_reader:
+            raise ValueError(
+                f"need 0 <= n_local_reader ({n_local_reader}) <= n_reader ({n_reader})"
+            )
+        check_int("max_chunk_bytes", max_chunk_bytes, 1)
+        check_int("max_chunks", max_chunks, 1)
+        if local_reader_ranks is None:
+            local_reader_ranks = list(range(n_local_reader))
+        if len(local_reader_ranks) != n_local_reader:
+            raise ValueError(
+                f"local_reader_ranks has {len(local_reader_ranks)} entries, "
+                f"n_local_reader is {n_local_reader}"
+            )
+        if len(set(local_reader_ranks)) != len(local_reader_ranks):
+            raise ValueError(f"local_reader_ranks has duplicates: {local_reader_ranks}")
+        if n_reader > n_local_reader and connect_ip is None:
+            connect_ip = local_ip()  # vLLM's default: this node's address
+        if n_reader > n_local_reader and not (isinstance(connect_ip, str) and connect_ip):
+            raise ValueError(
+                f"remote readers need connect_ip (an address they can reach), got {connect_ip!r}"
+            )
+        if enable_arena:
+            settings.check_arena_policy(_ARENA_POLICY)
+        return list(local_reader_ranks), connect_ip
+
+    def __init__(
+        self,
+        n_reader: int,
+        n_local_reader: int,
+        local_reader_ranks: list[int],
+        max_chunk_bytes: int,
+        max_chunks: int,
+        connect_ip: str | None,
+        enable_arena: bool,
+    ) -> None:
+        """Builds the writer from arguments ``check_args`` returned."""
+        super().__init__()
+        self.n_local_reader = n_local_reader
+        self.n_remote_reader = n_reader - n_local_reader
+        self.max_chunk_bytes = max_chunk_bytes
+        #: Pickle tensor bytes inside the stream (the pre-out-of-band baseline; benchmarks).
+        self.serialize_inband = False
+        self.broken = ""  # why the queue can no longer send (an enqueue was cut mid-send)
+        self.ring = None
+        self.arena: ShmTensorArena | None = None
+        self.arena_size: sizing.ArenaSize | None = None  # when an arena was asked for
+        self.blob_max = 0  # largest message packed into an arena blob (0: none)
+        self.sockets = WriterSockets(
+            self.lifecycle, secrets.token_bytes(TOKEN_BYTES), self.reporter.log
+        )
+        try:
+            local_addr = remote_addr = None
+            if n_local_reader > 0:
+                self.ring = _C.RingWriter(n_local_reader, max_chunks, max_chunk_bytes)
+                self.lifecycle.resources.ring_writer = self.ring
+                _C.set_copy_readers(n_local_reader)  # the copy pool leaves the readers CPUs
+                local_addr = self.sockets.bind_local(self.ring.dir)
+            if self.n_remote_reader > 0:
+                remote_addr = self.sockets.bind_remote(connect_ip)
+            if enable_arena:
+                if self.n_remote_reader > 0 or n_local_reader == 0:
+                    logger.warning(
+                        "shm tensor arena disabled for this queue: %d of %d readers are "
+                        "remote (the arena needs every reader on this node); using the "
+                        "out-of-band path",
+                        self.n_remote_reader,
+                        n_reader,
+                    )
+                else:
+                    self.arena, self.arena_size = _create_arena(n_local_reader, self.ring)
+            if self.arena is not None and self.arena.handle().policy == "variable":
+                self.blob_max = (self.arena.slot_bytes // _BLOB_SHARE) // (
+                    max_chunks + n_local_reader
+                )
+        except BaseException:
+            self.lifecycle.abandon()
+            if self.ring is not None:
+                self.ring.unlink()
+            raise
+        self.handle = Handle(
+            socket_token=self.sockets.token,
+            local_reader_ranks=list(local_reader_ranks),
+            buffer_handle=(self.ring.name, self.ring.dir) if self.ring else None,
+            local_subscribe_addr=local_addr,
+            remote_subscribe_addr=remote_addr,
+            tensor_arena_handle=self.arena.handle() if self.arena else None,
+        )
+
+    # vLLM's attribute names for the sockets (tests stand proxies in for them).
+    @property
+    def local_socket(self):
+        return self.sockets.local
+
+    @local_socket.setter
+    def local_socket(self, sock) -> None:
+        self.sockets.local = sock
+
+    @property
+    def remote_socket(self):
+        return self.sockets.remote
+
+    @remote_socket.setter
+    def remote_socket(self, sock) -> None:
+        self.sockets.remote = sock
+
+    # ------------------------------------------------------------------ joining
+    def _handshake(self, deadline: float | None) -> None:
+        self.sockets.await_subscribers(self.n_local_reader, self.n_remote_reader, deadline)
+        # Every local reader has mapped the ring and the arena: drop the names.
+        if self.ring is not None:
+            self.ring.unlink()
+        if self.arena is not None:
+            self.arena.unlink()
+
+    # ------------------------------------------------------------------ sending
+    def enqueue(self, obj: Any, timeout: float | None = None) -> None:
+        """See ``MessageQueue.enqueue``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.check_can_send()
+        self.lifecycle.take(timeout, "enqueue")
+        try:
+            self.check_can_send()
+            if self.serialize_inband:
+                dumped = Dumped(dumps_inband(obj), [], [])
+            else:
+                with NOGIL:  # the arena copy releases the GIL
+                    dumped = dump_message(obj, self.arena)
+            frames = [diverted_header(dumped.diverted), dumped.data, *dumped.buffers]
+            sending = Sending(dumped.diverted)
+            try:
+                self.send(frames, deadline, sending)
+            except BaseException as e:
+                self.settle(frames, sending, e)
+                raise
+            self.counters["messages"] += 1
+            self.reporter.maybe_report(self)
+        finally:
+            self.lifecycle.side_lock.release()
+
+    def check_can_send(self) -> None:
+        """``RuntimeError`` once shut down or broken."""
+        self.lifecycle.check_running()
+        if self.broken:
+            raise RuntimeError(f"MessageQueue is broken ({self.broken}); recreate it")
+
+    def send(self, frames: list, deadline: float | None, sending: Sending) -> None:
+        """One message, in an order where every wait comes before anything is committed:
+        (1) a ring chunk is reserved (the ring's back-pressure), (2) a message too big for a
+        chunk is packed into an arena blob (never waits, may decline), (3) remote readers'
+        socket (waits while a reader's backlog is at its cap), then (4) the ring publishes
+        (and, for an overflow message without a blob, the local socket takes it; it never
+        waits: the ring bounds its backlog). Each step records what it committed in
+        ``sending``, for ``settle``."""
+        sizes = [memoryview(f).nbytes for f in frames]
+        self.counters["bytes"] += sum(sizes)
+        ring = self.ring
+        fits = ring is not None and _C.RingWriter.packed_bytes(sizes) <= self.max_chunk_bytes
+        sending.fits = fits
+        if ring is not None:
+            while True:
+                left = self.lifecycle.time_left(
+                    deadline, "a free ring chunk (readers are slow or stuck)"
+                )
+                with NOGIL:
+                    if ring.reserve(WAIT_SLICE_S if left is None else min(WAIT_SLICE_S, left)):
+                        break
+            if not fits and self.arena is not None and self.blob_max:
+                with NOGIL:
+                    sending.blob = self.arena.write_blob(frames, self.blob_max)
+        if self.sockets.remote is not None:
+            self.sockets.send(self.sockets.remote, frames, deadline, sending, may_wait=True)
+        if ring is not None:
+            self.publish_local(frames, fits, sending)
+
+    def publish_local(self, frames: list, fits: bool, sending: Sending) -> None:
+        """Step (4) of ``send``: the reserved chunk is published; it never waits."""
+        ring = self.ring
+        sending.ring_seq = ring.published()
+        status = "overflow"
+        if fits:
+            with NOGIL:
+                status = ring.write(frames, 0, 0.0)
+        elif sending.blob is not None:
+            with NOGIL:
+                status = ring.write([BLOB_MARKER.pack(*sending.blob)], BLOB_FLAGS, 0.0)
+            if status == "ok":
+                self.counters["overflow_messages"] += 1
+                self.counters["blob_messages"] += 1
+                return
+        if status == "ok":
+            self.counters["ring_messages"] += 1
+            return
+        if status == "no_space":  # the ring published an overflow marker instead
+            self.reporter.log(
+                "no_space_ring",
+                logging.WARNING,
+                "ring chunk could not be backed (/dev/shm full); message sent over the socket",
+            )
+        else:
+            ring.write_marker(FLAG_OVERFLOW, 0.0)
+        if sending.blob is not None:
+            # Published in the arena but named by no marker: no reader will ever see it.
+            self.arena.give_back_unsent([sending.blob[:2]])
+            sending.blob = None
+        self.counters["overflow_messages"] += 1
+        sending.socket_owed = True
+        self.sockets.send(self.sockets.local, frames, None, sending, may_wait=False)
+        sending.socket_owed = False
+
+    def settle(self, frames: list, sending: Sending, exc: BaseException) -> None:
+        """An exception left ``send`` (a timeout or shutdown before anything was committed,
+        or an asynchronous exception such as ``KeyboardInterrupt`` at any point). Decides from
+        what the ring and the sockets actually took, not from where Python was: nothing taken
+        -> the message's arena allocations go back (not sent); taken -> whatever readers are
+        still owed is finished, and the exception carries a note that the message was sent; a
+        half-sent socket message -> the queue is broken (it cannot go on in order)."""
+        n = len(frames)
+        ring = self.ring
+        seq = sending.ring_seq
+        ring_committed = ring is not None and seq is not None and ring.published() > seq
+        counts = list(sending.sent.values())
+        if any(0 < k < n for k in counts):
+            self.break_off("an enqueue was interrupted half-way through a socket send")
+            return
+        remote = self.sockets.remote
+        remote_done = remote is not None and sending.sent.get(id(remote))
+        if not ring_committed and not remote_done:
+            blob = [sending.blob[:2]] if sending.blob is not None else []
+            if self.arena is not None and (sending.diverted or blob):
+                # Nothing was published: readers never saw the stubs. A failure here must
+                # not replace the error that stopped the send.
+                try:
+                    self.arena.give_back_unsent([*sending.diverted, *blob])
+                except Exception:
+                    logger.exception("vllm_shm_arena: giving back an unsent message's slots")
+            return
+        # Sent: finish what readers are owed (neither step waits).
+        try:
+            if ring is not None and not ring_committed:
+                self.publish_local(frames, sending.fits, sending)
+            elif sending.socket_owed:
+                self.sockets.send(self.sockets.local, frames, None, sending, may_wait=False)
+        except BaseException:
+            self.break_off("an enqueue was interrupted after its message was announced")
+            raise
+        self.counters["messages"] += 1
+        if hasattr(exc, "add_note"):
+            exc.add_note(
+                "vllm_shm_arena: this message was sent before the exception; do not send it again"
+            )
+
+    def break_off(self, why: str) -> None:
+        """The queue cannot go on in order: no more sends, the ring shut down (readers get a
+        clear error after the messages before), the sockets closed (ZeroMQ drops the half
+        message), and the arena closed for writes (a reader may hold this message's
+        records: they are never reused)."""
+        self.broken = why
+        self.sockets.break_off()
+        if self.ring is not None:
+            self.ring.shutdown()
+        if self.arena is not None:
+            self.arena.close()
+
+    def empty(self, shape, dtype=None):
+        """See ``MessageQueue.empty``."""
+        import torch
+
+        dtype = torch.float32 if dtype is None else dtype
+        self.check_can_send()  # a broken queue's arena lends nothing: readers may hold it
+        t = self.arena.empty(shape, dtype) if self.arena is not None else None
+        return t if t is not None else torch.empty(tuple(shape), dtype=dtype)
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        self.enqueue(obj)
+        return obj
+
+    # ------------------------------------------------------------------ reports
+    def report(self) -> None:
+        self.report_liveness()
+        if self.arena is not None:
+            self.reporter.report_writer_arena(self.arena)
+
+    def report_liveness(self) -> None:
+        """Logs liveness verdicts other than alive, once per new count (see ``Reporter``)."""
+        self.reporter.report_liveness(self.ring, self.arena)
+
+    def stats(self) -> dict:
+        out = dict(self.counters)
+        out["role"] = self.ROLE
+        if self.ring is not None:
+            out["dropped_readers"] = self.ring.dropped_readers()
+            out["liveness_unknown"] = self.ring.liveness_unknown()
+        if self.arena is not None:
+            out["arena"] = self.arena.stats()
+        if self.arena_size is not None:
+            out["arena_size"] = self.arena_size.as_dict()
+        return out
+
+    # ------------------------------------------------------------------ ending
+    def _close_locked(self, drain_s: float) -> None:
+        self.sockets.close(drain_s)
+        # Only now: the ring's shutdown flag tells readers that nothing follows.
+        if self.ring is not None:
+            self.ring.shutdown()
+            # Idempotent; covers a queue shut down before wait_until_ready unlinked the name.
+            self.ring.unlink()
+        self.reporter.cancel()
+        if self.arena is not None:
+            metrics.record_writer_stats(self.arena.stats(), key=self.arena.name)  # totals
+            self.arena.close()
