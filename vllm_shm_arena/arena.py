@@ -71,7 +71,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class ArenaHandle:
-    """What a reader needs to attach: small and picklable (it rides in the queue Handle)."""
+    """What a reader needs to attach: small and picklable (it rides in the queue Handle).
+
+    ``num_slots`` is the number of slots of the arena's slot table, so the most allocations it
+    holds at once, in either layout; ``slot_bytes`` is the largest allocation: a slot's size in
+    the fixed layout, the whole data region in the variable one. The fields keep their names
+    (handles are pickled inside vLLM's ``Handle``); ``max_allocations`` and
+    ``max_allocation_bytes`` say the same with names that fit both layouts.
+    """
 
     name: str
     n_readers: int
@@ -79,6 +86,16 @@ class ArenaHandle:
     slot_bytes: int
     dir: str
     policy: str = "fixed"
+
+    @property
+    def max_allocations(self) -> int:
+        """The most allocations the arena holds at once (``num_slots``)."""
+        return self.num_slots
+
+    @property
+    def max_allocation_bytes(self) -> int:
+        """The largest allocation (``slot_bytes``: the whole data region when variable)."""
+        return self.slot_bytes
 
 
 #: This process's attached reader arenas by shm name. Weak values: an entry disappears when

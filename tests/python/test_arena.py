@@ -319,3 +319,21 @@ def test_debug_checksum_counts_in_place_writes(monkeypatch):
         w.close()
         r0.close()
         r1.close()
+
+
+@pytest.mark.parametrize("policy", ["fixed", "variable"])
+def test_handle_aliases_name_the_allocation_limits(policy):
+    """``max_allocations``/``max_allocation_bytes`` are ``num_slots``/``slot_bytes`` in both
+    layouts; in the variable one the largest allocation is the whole data region."""
+    if policy == "fixed":
+        a = ShmTensorArena.create(1, num_slots=4, slot_bytes=4 << 20)
+    else:
+        a = ShmTensorArena.create(1, policy="variable", arena_bytes=8 << 20, max_allocations=4)
+    try:
+        h = a.handle()
+        assert (h.max_allocations, h.max_allocation_bytes) == (h.num_slots, h.slot_bytes)
+        assert h.max_allocations == 4
+        big = torch.zeros(h.max_allocation_bytes, dtype=torch.uint8)
+        assert a.write_tensor(big) is not None
+    finally:
+        a.unlink()
