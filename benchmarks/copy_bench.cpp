@@ -133,7 +133,7 @@ void arena_slots(int reps) {
         double t = time_s([&] { a = w->write(src.data(), n); });
         if (!a) return;
         if (i > 0) t_warm.push_back(t);  // i == 0 is the cold first write
-        r->release_unacquired(a->record, a->generation);
+        r->release_unacquired(a->slot, a->generation);
       }
     }
     for (int i = 0; i < reps; ++i) {

@@ -433,7 +433,7 @@ class ShmTensorArena:
         return self._may_gate
 
     def release_unacquired(self, slot: int, generation: int) -> None:
-        """Reader: releases a record a message named but this reader never turned into a
+        """Reader: releases a slot a message named but this reader never turned into a
         tensor (the message failed to unpickle), so the writer is not kept waiting for it."""
         self._require_reader().release_unacquired(slot, generation)
 

@@ -238,7 +238,7 @@ std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> arena_write_frames(Arena
       if (!a) return std::nullopt;
       pack_frames(a->data, spans);
       writer.publish(*a);
-      return std::make_tuple(a->record, a->generation, total);
+      return std::make_tuple(a->slot, a->generation, total);
     });
   } catch (const ThreadExit&) {
     views.abandon();  // no GIL any more: the buffers stay exported
@@ -248,9 +248,9 @@ std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> arena_write_frames(Arena
 
 py::list arena_read_frames(ArenaReader& reader, uint32_t slot, uint64_t generation,
                            uint64_t nbytes) {
-  if (slot >= reader.max_records()) {
+  if (slot >= reader.max_slots()) {
     throw OutOfRange("blob slot " + std::to_string(slot) + " out of range [0, " +
-                     std::to_string(reader.max_records()) + ")");
+                     std::to_string(reader.max_slots()) + ")");
   }
   const uint8_t* p = reader.acquire(slot, generation, nbytes, 0);
   py::list frames;

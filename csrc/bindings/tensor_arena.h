@@ -1,4 +1,4 @@
-// Allocation records as at::Tensors: the arena's two ends as Python sees them. The writer
+// Arena slots as at::Tensors: the arena's two ends as Python sees them. The writer
 // copies tensors in (or lends its memory as tensors) and returns (slot, generation); the reader
 // builds zero-copy tensors over slots whose deleter ends the hold. Everything below these
 // classes is the core's (core/arena.h, core/reader_lifetime.h) and knows no torch.
@@ -70,7 +70,7 @@ inline ArenaConfig arena_config(uint32_t n_readers, uint32_t num_slots, uint64_t
   if (arena_bytes > 0) {
     cfg.policy = PolicyKind::kVariable;
     cfg.arena_bytes = arena_bytes;
-    cfg.max_records = max_allocations;
+    cfg.max_slots = max_allocations;
   }
   return cfg;
 }
@@ -97,7 +97,7 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
     std::optional<Allocation> a = writer_->lend(nbytes);
     if (!a) return std::nullopt;
     auto self = shared_from_this();
-    uint32_t rec = a->record;
+    uint32_t rec = a->slot;
     uint64_t gen = a->generation;
     auto deleter = [self, rec, gen](void*) { self->writer_->end_loan(rec, gen); };
     try {
@@ -112,8 +112,8 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
   std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> send_loan(const at::Tensor& t) {
     std::optional<LoanRef> ref = writer_->find_loan(t.data_ptr(), tensor_nbytes(t));
     if (!ref || ref->published) return std::nullopt;
-    if (!writer_->publish_loan(ref->record, ref->generation)) return std::nullopt;
-    return std::make_tuple(ref->record, ref->generation, ref->offset);
+    if (!writer_->publish_loan(ref->slot, ref->generation)) return std::nullopt;
+    return std::make_tuple(ref->slot, ref->generation, ref->offset);
   }
 
   /// Copies a suitable tensor into a free slot (GIL released during the copy).
@@ -131,14 +131,14 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
                                                               uint64_t working_set = 0) {
     std::optional<Allocation> a = writer_->write(t.data_ptr(), tensor_nbytes(t), working_set);
     if (!a) return std::nullopt;
-    return std::make_tuple(a->record, a->generation);
+    return std::make_tuple(a->slot, a->generation);
   }
 
   void count_decline(DeclineReason why) { writer_->count_decline(why); }
   void set_debug_checksum(bool on) { writer_->set_debug_checksum(on); }
   void abort(uint32_t slot, uint64_t generation) {
     Allocation a;
-    a.record = slot;
+    a.slot = slot;
     a.generation = generation;
     writer_->abort(a);
   }
@@ -167,7 +167,7 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
     d["in_use"] = s.in_use;
     d["free_bytes"] = s.free_bytes;
     d["largest_free"] = s.largest_free;
-    d["num_slots"] = writer_->max_records();
+    d["num_slots"] = writer_->max_slots();
     d["slot_bytes"] = writer_->max_allocation();
     return d;
   }
@@ -179,7 +179,7 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
       py::dict d;
       d["rank"] = h.rank;
       d["state"] = kStates[static_cast<uint32_t>(h.state) & 3];
-      d["slots_held"] = h.records_held;
+      d["slots_held"] = h.slots_held;
       d["oldest_age_s"] = h.oldest_age_seconds;
       out.append(d);
     }
@@ -233,7 +233,7 @@ class TensorArenaReader {
         }
       };
       cmp("n_readers", std::to_string(std::get<0>(t)), std::to_string(g.n_readers));
-      cmp("num_slots", std::to_string(std::get<1>(t)), std::to_string(g.max_records));
+      cmp("num_slots", std::to_string(std::get<1>(t)), std::to_string(g.max_slots));
       cmp("slot_bytes", std::to_string(std::get<2>(t)), std::to_string(slot));
       cmp("policy", std::get<3>(t), policy);
       if (!diff.empty()) {
@@ -296,13 +296,13 @@ class TensorArenaReader {
 
   std::string name() const { return reader().name(); }
   uint32_t rank() const { return reader().rank(); }
-  uint32_t num_slots() const { return reader().max_records(); }
+  uint32_t num_slots() const { return reader().max_slots(); }
   uint64_t slot_bytes() const { return reader().max_allocation(); }
   /// The arena's handle geometry as this reader validated it: (n_readers, num_slots,
   /// slot_bytes, policy).
   py::tuple geometry() const {
     const ArenaGeometry& g = reader().geometry();
-    return py::make_tuple(g.n_readers, g.max_records, reader().max_allocation(),
+    return py::make_tuple(g.n_readers, g.max_slots, reader().max_allocation(),
                           g.policy == PolicyKind::kVariable ? "variable" : "fixed");
   }
   std::string writer_liveness() const { return liveness_name(reader().writer_liveness()); }

@@ -34,22 +34,22 @@ std::optional<Placement> FixedSlotPolicy::place(uint64_t nbytes, DeclineReason* 
 }
 
 void FixedSlotPolicy::free(const Placement& p) {
-  if (p.record >= in_stack_.size()) {
-    throw OutOfRange("slot " + std::to_string(p.record) + " out of range [0, " +
+  if (p.slot >= in_stack_.size()) {
+    throw OutOfRange("slot " + std::to_string(p.slot) + " out of range [0, " +
                      std::to_string(in_stack_.size()) + ")");
   }
-  if (in_stack_[p.record]) return;  // double free would corrupt the stack; ignore it
-  in_stack_[p.record] = true;
-  free_stack_.push_back(p.record);
+  if (in_stack_[p.slot]) return;  // double free would corrupt the stack; ignore it
+  in_stack_[p.slot] = true;
+  free_stack_.push_back(p.slot);
 }
 
 bool FixedSlotPolicy::mark_used(const Placement& p) {
-  if (p.record >= in_stack_.size() || !in_stack_[p.record]) return false;
-  if (p.offset != data_offset_ + uint64_t{p.record} * slot_bytes_ || p.capacity != slot_bytes_) {
+  if (p.slot >= in_stack_.size() || !in_stack_[p.slot]) return false;
+  if (p.offset != data_offset_ + uint64_t{p.slot} * slot_bytes_ || p.capacity != slot_bytes_) {
     return false;
   }
-  in_stack_[p.record] = false;
-  free_stack_.erase(std::find(free_stack_.begin(), free_stack_.end(), p.record));
+  in_stack_[p.slot] = false;
+  free_stack_.erase(std::find(free_stack_.begin(), free_stack_.end(), p.slot));
   return true;
 }
 
@@ -62,9 +62,9 @@ constexpr uint64_t kPage = 4096;
 uint64_t round_page(uint64_t n) { return n == 0 ? kPage : (n + kPage - 1) / kPage * kPage; }
 }  // namespace
 
-VariablePolicy::VariablePolicy(uint32_t max_records, uint64_t data_offset, uint64_t data_bytes)
-    : data_offset_(data_offset), data_bytes_(data_bytes), record_free_(max_records, true) {
-  for (uint32_t i = max_records; i-- > 0;) free_records_.push_back(i);
+VariablePolicy::VariablePolicy(uint32_t max_slots, uint64_t data_offset, uint64_t data_bytes)
+    : data_offset_(data_offset), data_bytes_(data_bytes), slot_free_(max_slots, true) {
+  for (uint32_t i = max_slots; i-- > 0;) free_slots_.push_back(i);
   insert_extent(data_offset, data_bytes);
 }
 
@@ -106,8 +106,8 @@ std::optional<Placement> VariablePolicy::place(uint64_t nbytes, DeclineReason* w
     *why = DeclineReason::kOversize;
     return std::nullopt;
   }
-  if (free_records_.empty()) {
-    *why = DeclineReason::kNoRecord;
+  if (free_slots_.empty()) {
+    *why = DeclineReason::kSlotTableFull;
     return std::nullopt;
   }
   auto fit = by_size_.lower_bound({cap, 0});
@@ -119,25 +119,25 @@ std::optional<Placement> VariablePolicy::place(uint64_t nbytes, DeclineReason* w
   uint64_t len = fit->first;
   erase_extent(by_offset_.find(off));
   if (len > cap) insert_extent(off + cap, len - cap);
-  uint32_t rec = free_records_.back();
-  free_records_.pop_back();
-  record_free_[rec] = false;
+  uint32_t rec = free_slots_.back();
+  free_slots_.pop_back();
+  slot_free_[rec] = false;
   return Placement{rec, off, cap};
 }
 
 void VariablePolicy::free(const Placement& p) {
-  if (p.record >= record_free_.size()) {
-    throw OutOfRange("record " + std::to_string(p.record) + " out of range [0, " +
-                     std::to_string(record_free_.size()) + ")");
+  if (p.slot >= slot_free_.size()) {
+    throw OutOfRange("slot " + std::to_string(p.slot) + " out of range [0, " +
+                     std::to_string(slot_free_.size()) + ")");
   }
-  if (record_free_[p.record]) return;  // double free: ignore rather than corrupt
-  record_free_[p.record] = true;
-  free_records_.push_back(p.record);
+  if (slot_free_[p.slot]) return;  // double free: ignore rather than corrupt
+  slot_free_[p.slot] = true;
+  free_slots_.push_back(p.slot);
   insert_extent(p.offset, p.capacity);
 }
 
 bool VariablePolicy::mark_used(const Placement& p) {
-  if (p.record >= record_free_.size() || !record_free_[p.record]) return false;
+  if (p.slot >= slot_free_.size() || !slot_free_[p.slot]) return false;
   if (p.capacity == 0 || p.offset < data_offset_ || p.offset - data_offset_ > data_bytes_ ||
       p.capacity > data_bytes_ - (p.offset - data_offset_)) {
     return false;
@@ -148,8 +148,8 @@ bool VariablePolicy::mark_used(const Placement& p) {
   --it;
   uint64_t off = it->first, len = it->second;
   if (p.offset + p.capacity > off + len) return false;  // not free: inconsistent metadata
-  record_free_[p.record] = false;
-  free_records_.erase(std::find(free_records_.begin(), free_records_.end(), p.record));
+  slot_free_[p.slot] = false;
+  free_slots_.erase(std::find(free_slots_.begin(), free_slots_.end(), p.slot));
   erase_extent(it);
   insert_extent(off, p.offset - off);
   insert_extent(p.offset + p.capacity, off + len - (p.offset + p.capacity));

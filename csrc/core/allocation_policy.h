@@ -1,6 +1,6 @@
 // Where the writer places an allocation inside the arena's data region.
 //
-// The protocol (arena.h) only needs "a record index, an offset and a capacity" for each
+// The protocol (arena.h) only needs "a slot index, an offset and a capacity" for each
 // allocation and "this one is free again" when readers let go; how space is found is this
 // interface's business. FixedSlotPolicy is the design document's 8 x 256 MiB slots; other
 // policies (variable-size packing) plug in without touching the protocol or the layers above.
@@ -27,7 +27,7 @@ enum class DeclineReason : uint32_t {
   kNoFreeSlot = 3,     ///< nothing free right now
   kNoSpace = 4,        ///< fallocate found the shm filesystem full
   kUnsupported = 5,    ///< a type the arena can't carry (conj/neg bits, quantized...)
-  kNoRecord = 6,       ///< every allocation record is in use (the metadata bound)
+  kSlotTableFull = 6,  ///< every slot of the table is in use (its stats key is "no_record")
   kCount = 7,
 };
 
@@ -42,9 +42,9 @@ static_assert(kDeclineReasonNames.back() != nullptr,
 /// The name of `why` (kDeclineReasonNames); "unknown" for a value outside the enum.
 const char* decline_reason_name(DeclineReason why);
 
-/// A placed allocation: record index, byte offset from the start of the region, capacity.
+/// A placed allocation: slot index, byte offset from the start of the region, capacity.
 struct Placement {
-  uint32_t record = 0;
+  uint32_t slot = 0;
   uint64_t offset = 0;
   uint64_t capacity = 0;
 };
@@ -59,15 +59,15 @@ class AllocationPolicy {
   virtual void free(const Placement& p) = 0;
   /// The largest allocation place() can ever satisfy.
   virtual uint64_t max_allocation() const = 0;
-  /// Marks a record as in use (a writer taking over an arena rebuilds its state this way).
+  /// Marks a slot as in use (a writer taking over an arena rebuilds its state this way).
   /// False, and nothing changed, if `p` is not a free placement of this policy (the
   /// metadata it came from is inconsistent).
   virtual bool mark_used(const Placement& p) = 0;
 };
 
-/// N equal slots; record i is slot i. Free slots are reused most-recently-freed first, so the
-/// writer copies into pages that are already faulted in (and warm in cache) instead of
-/// cycling through the whole region.
+/// N equal slots; slot i owns the i-th slot_bytes of the data region. Free slots are reused
+/// most-recently-freed first, so the writer copies into pages that are already faulted in (and warm
+/// in cache) instead of cycling through the whole region.
 class FixedSlotPolicy : public AllocationPolicy {
  public:
   /// `data_offset` is where slot 0 starts in the region.
@@ -93,11 +93,11 @@ namespace vllm_shm_arena {
 /// Free space is a set of extents kept two ways: by offset (to coalesce a freed extent with
 /// its neighbours, so space released in any order comes back whole) and by (size, offset)
 /// (to find the smallest extent that fits, which keeps large extents intact for large
-/// tensors). Allocations are rounded up to 4 KiB. Records are a fixed pool of `max_records`;
-/// when all are in use, place() declines with kNoRecord even if bytes are free.
+/// tensors). Allocations are rounded up to 4 KiB. Slots are a fixed pool of `max_slots`;
+/// when all are in use, place() declines with kSlotTableFull even if bytes are free.
 class VariablePolicy : public AllocationPolicy {
  public:
-  VariablePolicy(uint32_t max_records, uint64_t data_offset, uint64_t data_bytes);
+  VariablePolicy(uint32_t max_slots, uint64_t data_offset, uint64_t data_bytes);
   std::optional<Placement> place(uint64_t nbytes, DeclineReason* why) override;
   void free(const Placement& p) override;
   uint64_t max_allocation() const override { return data_bytes_; }
@@ -115,8 +115,8 @@ class VariablePolicy : public AllocationPolicy {
   uint64_t free_bytes_ = 0;
   std::map<uint64_t, uint64_t> by_offset_;           // offset -> length
   std::set<std::pair<uint64_t, uint64_t>> by_size_;  // (length, offset)
-  std::vector<uint32_t> free_records_;               // top = most recently freed
-  std::vector<bool> record_free_;
+  std::vector<uint32_t> free_slots_;                 // top = most recently freed
+  std::vector<bool> slot_free_;
 };
 
 }  // namespace vllm_shm_arena

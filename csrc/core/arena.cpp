@@ -19,45 +19,45 @@ using Clock = std::chrono::steady_clock;
 uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 struct Offsets {
-  uint64_t readers, records, releases, releases_stride, data, data_bytes, total;
+  uint64_t readers, slots, releases, releases_stride, data, data_bytes, total;
 };
 
-Offsets layout_for(uint32_t n_readers, uint32_t max_records, uint64_t data_bytes) {
+Offsets layout_for(uint32_t n_readers, uint32_t max_slots, uint64_t data_bytes) {
   Offsets o;
   o.readers = kHeaderBytes;
-  o.records = align_up(o.readers + uint64_t{n_readers} * sizeof(ReaderEntry), kCacheLine);
-  o.releases = align_up(o.records + uint64_t{max_records} * sizeof(RecordMeta), kCacheLine);
-  o.releases_stride = align_up(uint64_t{max_records} * sizeof(uint64_t), kCacheLine);
+  o.slots = align_up(o.readers + uint64_t{n_readers} * sizeof(ReaderEntry), kCacheLine);
+  o.releases = align_up(o.slots + uint64_t{max_slots} * sizeof(SlotMeta), kCacheLine);
+  o.releases_stride = align_up(uint64_t{max_slots} * sizeof(uint64_t), kCacheLine);
   o.data = align_up(o.releases + uint64_t{n_readers} * o.releases_stride, kDataAlign);
   o.data_bytes = data_bytes;
   o.total = o.data + data_bytes;
   return o;
 }
 
-// Table addresses from the private, validated geometry: `rank` < n_readers and `record` <
-// max_records (checked by every caller) keep them inside the mapping.
+// Table addresses from the private, validated geometry: `rank` < n_readers and `slot` <
+// max_slots (checked by every caller) keep them inside the mapping.
 ReaderEntry* reader_entry(uint8_t* base, const ArenaGeometry& g, uint32_t rank) {
   return reinterpret_cast<ReaderEntry*>(base + g.readers_offset) + rank;
 }
-RecordMeta* record_meta(uint8_t* base, const ArenaGeometry& g, uint32_t record) {
-  return reinterpret_cast<RecordMeta*>(base + g.records_offset) + record;
+SlotMeta* slot_meta(uint8_t* base, const ArenaGeometry& g, uint32_t slot) {
+  return reinterpret_cast<SlotMeta*>(base + g.slots_offset) + slot;
 }
 std::atomic<uint64_t>* released_gen(uint8_t* base, const ArenaGeometry& g, uint32_t rank,
-                                    uint32_t record) {
+                                    uint32_t slot) {
   return reinterpret_cast<std::atomic<uint64_t>*>(base + g.releases_offset +
                                                   uint64_t{rank} * g.releases_stride) +
-         record;
+         slot;
 }
 
-// One record's metadata, read once from shared memory and checked against the geometry:
+// One slot's metadata, read once from shared memory and checked against the geometry:
 // [offset, offset + capacity) lies in the data region and nbytes <= capacity. Overflow-safe:
 // no sum is formed before its parts are bounded.
-struct RecordCopy {
+struct SlotCopy {
   uint64_t offset, capacity, nbytes, checksum;
 };
-bool read_record(const uint8_t* base, const ArenaGeometry& g, uint32_t record, RecordCopy* out) {
-  const RecordMeta* m = reinterpret_cast<const RecordMeta*>(base + g.records_offset) + record;
-  RecordCopy c{m->offset, m->capacity, m->nbytes, m->checksum};
+bool read_slot(const uint8_t* base, const ArenaGeometry& g, uint32_t slot, SlotCopy* out) {
+  const SlotMeta* m = reinterpret_cast<const SlotMeta*>(base + g.slots_offset) + slot;
+  SlotCopy c{m->offset, m->capacity, m->nbytes, m->checksum};
   const uint64_t data_end = g.data_offset + g.data_bytes;  // == region_bytes (validated)
   if (c.offset < g.data_offset || c.offset > data_end || c.capacity > data_end - c.offset ||
       c.nbytes > c.capacity) {
@@ -79,9 +79,9 @@ void check_config(const ArenaConfig& cfg) {
       throw InvalidArgument("arena_bytes must be in [1, 2^44], got " +
                             std::to_string(cfg.arena_bytes));
     }
-    if (cfg.max_records == 0 || cfg.max_records > kMaxRecords) {
-      throw InvalidArgument("max_allocations must be in [1, " + std::to_string(kMaxRecords) +
-                            "], got " + std::to_string(cfg.max_records));
+    if (cfg.max_slots == 0 || cfg.max_slots > kMaxSlots) {
+      throw InvalidArgument("max_allocations must be in [1, " + std::to_string(kMaxSlots) +
+                            "], got " + std::to_string(cfg.max_slots));
     }
     return;
   }
@@ -89,8 +89,8 @@ void check_config(const ArenaConfig& cfg) {
     throw InvalidArgument("unknown allocation policy " +
                           std::to_string(static_cast<uint32_t>(cfg.policy)));
   }
-  if (cfg.num_slots == 0 || cfg.num_slots > kMaxRecords) {
-    throw InvalidArgument("num_slots must be in [1, " + std::to_string(kMaxRecords) + "], got " +
+  if (cfg.num_slots == 0 || cfg.num_slots > kMaxSlots) {
+    throw InvalidArgument("num_slots must be in [1, " + std::to_string(kMaxSlots) + "], got " +
                           std::to_string(cfg.num_slots));
   }
   if (cfg.slot_bytes == 0 || cfg.slot_bytes > (1ull << 40)) {
@@ -98,10 +98,10 @@ void check_config(const ArenaConfig& cfg) {
   }
 }
 
-// Records and data bytes of a configuration.
-std::pair<uint32_t, uint64_t> records_and_data_bytes(const ArenaConfig& cfg) {
+// Slots and data bytes of a configuration.
+std::pair<uint32_t, uint64_t> slots_and_data_bytes(const ArenaConfig& cfg) {
   if (cfg.policy == PolicyKind::kVariable) {
-    return {cfg.max_records, align_up(cfg.arena_bytes, kAllocAlign)};
+    return {cfg.max_slots, align_up(cfg.arena_bytes, kAllocAlign)};
   }
   uint64_t slot = align_up(cfg.slot_bytes, kAllocAlign);
   return {cfg.num_slots, slot * cfg.num_slots};
@@ -122,9 +122,9 @@ ArenaGeometry validate_header(const ArenaHeader* h, uint64_t region_bytes,
   const uint32_t policy = h->policy;
   g.region_bytes = h->region_bytes;
   g.n_readers = h->n_readers;
-  g.max_records = h->max_records;
+  g.max_slots = h->max_slots;
   g.readers_offset = h->readers_offset;
-  g.records_offset = h->records_offset;
+  g.slots_offset = h->slots_offset;
   g.releases_offset = h->releases_offset;
   g.releases_stride = h->releases_stride;
   g.data_offset = h->data_offset;
@@ -139,24 +139,24 @@ ArenaGeometry validate_header(const ArenaHeader* h, uint64_t region_bytes,
     throw bad("header says " + std::to_string(g.region_bytes) + " bytes but the segment has " +
               std::to_string(region_bytes) + " (truncated?)");
   }
-  if (g.n_readers == 0 || g.n_readers > kMaxReaders || g.max_records == 0 ||
-      g.max_records > kMaxRecords) {
-    throw bad("reader or record count out of range");
+  if (g.n_readers == 0 || g.n_readers > kMaxReaders || g.max_slots == 0 ||
+      g.max_slots > kMaxSlots) {
+    throw bad("reader or slot count out of range");
   }
   if (g.data_bytes == 0 || g.data_bytes > region_bytes) {
     throw bad("data region size out of range");
   }
-  // n_readers and max_records are bounded above, so the table sizes cannot overflow.
-  Offsets o = layout_for(g.n_readers, g.max_records, g.data_bytes);
-  if (g.readers_offset != o.readers || g.records_offset != o.records ||
+  // n_readers and max_slots are bounded above, so the table sizes cannot overflow.
+  Offsets o = layout_for(g.n_readers, g.max_slots, g.data_bytes);
+  if (g.readers_offset != o.readers || g.slots_offset != o.slots ||
       g.releases_offset != o.releases || g.releases_stride != o.releases_stride ||
       g.data_offset != o.data || o.data > region_bytes || g.data_bytes != region_bytes - o.data) {
     throw bad("table offsets do not match the sizes in the header");
   }
   if (policy == static_cast<uint32_t>(PolicyKind::kFixedSlots)) {
     g.policy = PolicyKind::kFixedSlots;
-    if (g.slot_bytes == 0 || g.slot_bytes > g.data_bytes / g.max_records ||
-        g.slot_bytes * g.max_records != g.data_bytes) {
+    if (g.slot_bytes == 0 || g.slot_bytes > g.data_bytes / g.max_slots ||
+        g.slot_bytes * g.max_slots != g.data_bytes) {
       throw bad("slot size does not match the data region");
     }
   } else if (policy == static_cast<uint32_t>(PolicyKind::kVariable)) {
@@ -172,9 +172,9 @@ ArenaGeometry validate_header(const ArenaHeader* h, uint64_t region_bytes,
 
 std::unique_ptr<AllocationPolicy> policy_for(const ArenaGeometry& g) {
   if (g.policy == PolicyKind::kVariable) {
-    return std::make_unique<VariablePolicy>(g.max_records, g.data_offset, g.data_bytes);
+    return std::make_unique<VariablePolicy>(g.max_slots, g.data_offset, g.data_bytes);
   }
-  return std::make_unique<FixedSlotPolicy>(g.max_records, g.slot_bytes, g.data_offset);
+  return std::make_unique<FixedSlotPolicy>(g.max_slots, g.slot_bytes, g.data_offset);
 }
 
 }  // namespace
@@ -195,8 +195,8 @@ uint64_t payload_checksum(const uint8_t* p, uint64_t n) {
 
 uint64_t arena_region_bytes(const ArenaConfig& cfg) {
   check_config(cfg);
-  auto [records, data_bytes] = records_and_data_bytes(cfg);
-  return layout_for(cfg.n_readers, records, data_bytes).total;
+  auto [slots, data_bytes] = slots_and_data_bytes(cfg);
+  return layout_for(cfg.n_readers, slots, data_bytes).total;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -209,7 +209,7 @@ ArenaWriter::ArenaWriter(std::shared_ptr<ShmRegion> region, const ArenaGeometry&
       policy_(policy_for(geo)),
       token_(std::move(token)),
       owner_pid_(this_pid()) {
-  uint32_t n = geo_.max_records;
+  uint32_t n = geo_.max_slots;
   placement_.resize(n);
   live_.resize(n);
   gen_.assign(n, 0);
@@ -233,8 +233,8 @@ void ArenaWriter::require_owner(const char* what) const {
 
 std::unique_ptr<ArenaWriter> ArenaWriter::create(const ArenaConfig& cfg) {
   check_config(cfg);
-  auto [records, data_bytes] = records_and_data_bytes(cfg);
-  Offsets o = layout_for(cfg.n_readers, records, data_bytes);
+  auto [slots, data_bytes] = slots_and_data_bytes(cfg);
+  Offsets o = layout_for(cfg.n_readers, slots, data_bytes);
   std::unique_ptr<LivenessToken> token;
   ArenaGeometry geo;
   auto init = [&](ShmRegion& region) {
@@ -259,14 +259,14 @@ std::unique_ptr<ArenaWriter> ArenaWriter::create(const ArenaConfig& cfg) {
     h->policy = static_cast<uint32_t>(cfg.policy);
     h->region_bytes = o.total;
     h->n_readers = cfg.n_readers;
-    h->max_records = records;
+    h->max_slots = slots;
     h->readers_offset = o.readers;
-    h->records_offset = o.records;
+    h->slots_offset = o.slots;
     h->releases_offset = o.releases;
     h->releases_stride = o.releases_stride;
     h->data_offset = o.data;
     h->data_bytes = o.data_bytes;
-    h->slot_bytes = cfg.policy == PolicyKind::kFixedSlots ? data_bytes / records : 0;
+    h->slot_bytes = cfg.policy == PolicyKind::kFixedSlots ? data_bytes / slots : 0;
     // SYNC POINT: relaxed; only this process runs until the name is shared.
     h->writer_pid.store(static_cast<uint64_t>(this_pid()), std::memory_order_relaxed);
     // SYNC POINT: relaxed; information for a writer taking over after this one died (see
@@ -294,7 +294,7 @@ std::unique_ptr<ArenaWriter> ArenaWriter::attach(const std::string& name, const 
   }
   // Generations continue above every one this arena may still show anywhere: the dead
   // writer's counter (read once; a hint only, any process could have rewritten it), every
-  // published record and every reader's release flag (an old flag equal to a new generation
+  // published slot and every reader's release flag (an old flag equal to a new generation
   // would read as released at once). Values out of range are garbage and ignored. Decided
   // before this process claims anything, so a refused takeover leaves the arena as it was.
   uint8_t* base = region->data();
@@ -302,10 +302,10 @@ std::unique_ptr<ArenaWriter> ArenaWriter::attach(const std::string& name, const 
   // its token); it only raises the lower bound.
   const uint64_t shared_next = h->next_generation.load(std::memory_order_relaxed);
   uint64_t highest = valid_generation(shared_next) ? shared_next - 1 : 0;
-  for (uint32_t r = 0; r < geo.max_records; ++r) {
+  for (uint32_t r = 0; r < geo.max_slots; ++r) {
     // SYNC POINT: relaxed; only the value is used, as a bound (the acquire load that pairs with
     // publish() is the one in the loop below).
-    uint64_t g = record_meta(base, geo, r)->published_gen.load(std::memory_order_relaxed);
+    uint64_t g = slot_meta(base, geo, r)->published_gen.load(std::memory_order_relaxed);
     if (valid_generation(g)) highest = std::max(highest, g);
     for (uint32_t rank = 0; rank < geo.n_readers; ++rank) {
       // SYNC POINT: relaxed; only the value is used, as a bound. Live readers keep storing
@@ -325,16 +325,16 @@ std::unique_ptr<ArenaWriter> ArenaWriter::attach(const std::string& name, const 
   w->next_generation_ = highest + 1;
   // SYNC POINT: relaxed; information for a later takeover (see allocate_locked).
   h->next_generation.store(w->next_generation_, std::memory_order_relaxed);
-  // Rebuild the private bookkeeping: every published record stays in use until its readers
-  // let go, exactly as if this process had published it. A record whose metadata does not fit
+  // Rebuild the private bookkeeping: every published slot stays in use until its readers
+  // let go, exactly as if this process had published it. A slot whose metadata does not fit
   // the geometry or collides with another, or whose generation is out of range, is skipped
   // (shared memory is untrusted input).
-  for (uint32_t r = 0; r < geo.max_records; ++r) {
+  for (uint32_t r = 0; r < geo.max_slots; ++r) {
     // SYNC POINT: acquire; pairs with the release store in the old writer's publish().
-    uint64_t g = record_meta(base, geo, r)->published_gen.load(std::memory_order_acquire);
+    uint64_t g = slot_meta(base, geo, r)->published_gen.load(std::memory_order_acquire);
     if (!valid_generation(g)) continue;
-    RecordCopy c;
-    if (!read_record(base, geo, r, &c)) continue;
+    SlotCopy c;
+    if (!read_slot(base, geo, r, &c)) continue;
     Placement p{r, c.offset, c.capacity};
     if (!w->policy_->mark_used(p)) continue;
     w->placement_[r] = p;
@@ -362,8 +362,7 @@ void ArenaWriter::count_decline(DeclineReason why) {
   ++stats_.declined[static_cast<size_t>(why)];
 }
 
-bool ArenaWriter::reader_lets_go(uint32_t rank, uint32_t record, uint64_t gen,
-                                 bool check_liveness) {
+bool ArenaWriter::reader_lets_go(uint32_t rank, uint32_t slot, uint64_t gen, bool check_liveness) {
   ReaderEntry* e = reader_entry(region_->data(), geo_, rank);
   // SYNC POINT: acquire; pairs with the release store of kDetached in ArenaReader::detach()
   // (everything the reader did before detaching happens-before we recycle).
@@ -371,7 +370,7 @@ bool ArenaWriter::reader_lets_go(uint32_t rank, uint32_t record, uint64_t gen,
   if (state == ReaderState::kDetached || state == ReaderState::kDead) return true;
   // SYNC POINT: acquire; pairs with the release store in ArenaReader::release(): the
   // reader's last access to the bytes happens-before the writer reuses them.
-  if (released_gen(region_->data(), geo_, rank, record)->load(std::memory_order_acquire) == gen) {
+  if (released_gen(region_->data(), geo_, rank, slot)->load(std::memory_order_acquire) == gen) {
     return true;
   }
   if (!check_liveness || state != ReaderState::kAttached) return false;
@@ -429,7 +428,7 @@ void ArenaWriter::free_locked(uint32_t rec) {
   // SYNC POINT: relaxed; no reader can hold `rec` any more (all released or dead, or the
   // stub never left this process), and a reader that later validates a stale stub compares
   // against this 0 or a newer generation published with release.
-  record_meta(region_->data(), geo_, rec)->published_gen.store(0, std::memory_order_relaxed);
+  slot_meta(region_->data(), geo_, rec)->published_gen.store(0, std::memory_order_relaxed);
   gen_[rec] = 0;
   published_[rec] = false;
   if (loan_hold_[rec]) {
@@ -469,8 +468,8 @@ std::optional<Allocation> ArenaWriter::allocate_locked(uint64_t nbytes) {
     return std::nullopt;
   }
   if (next_generation_ >= kGenerationLimit) {
-    // Every generation a release token can carry is used up: no record can be published again.
-    ++stats_.declined[static_cast<size_t>(DeclineReason::kNoRecord)];
+    // Every generation a release token can carry is used up: no slot can be published again.
+    ++stats_.declined[static_cast<size_t>(DeclineReason::kSlotTableFull)];
     return std::nullopt;
   }
   reclaim_locked(false);
@@ -496,16 +495,16 @@ std::optional<Allocation> ArenaWriter::allocate_locked(uint64_t nbytes) {
   // reads it once, after taking the writer token, as a lower bound). Nothing reads it while
   // this writer lives, and this writer never reads it back.
   header()->next_generation.store(next_generation_, std::memory_order_relaxed);
-  RecordMeta* m = record_meta(region_->data(), geo_, p->record);
+  SlotMeta* m = slot_meta(region_->data(), geo_, p->slot);
   m->offset = p->offset;
   m->capacity = p->capacity;
   m->nbytes = nbytes;
-  placement_[p->record] = *p;
-  gen_[p->record] = gen;
-  published_[p->record] = false;
-  in_use_.push_back(p->record);
-  live_[p->record] = Allocation{p->record, gen, region_->data() + p->offset, nbytes, cold};
-  return live_[p->record];
+  placement_[p->slot] = *p;
+  gen_[p->slot] = gen;
+  published_[p->slot] = false;
+  in_use_.push_back(p->slot);
+  live_[p->slot] = Allocation{p->slot, gen, region_->data() + p->offset, nbytes, cold};
+  return live_[p->slot];
 }
 
 std::optional<Allocation> ArenaWriter::lend(uint64_t nbytes) {
@@ -513,8 +512,8 @@ std::optional<Allocation> ArenaWriter::lend(uint64_t nbytes) {
   std::lock_guard<std::mutex> lock(mu_);
   std::optional<Allocation> a = allocate_locked(nbytes);
   if (!a) return a;
-  loan_hold_[a->record] = true;
-  loans_by_offset_[placement_[a->record].offset] = a->record;
+  loan_hold_[a->slot] = true;
+  loans_by_offset_[placement_[a->slot].offset] = a->slot;
   ++stats_.loans;
   return a;
 }
@@ -535,31 +534,31 @@ std::optional<LoanRef> ArenaWriter::find_loan(const void* p, uint64_t n) const {
   return LoanRef{rec, a.generation, off - it->first, published_[rec]};
 }
 
-bool ArenaWriter::publish_loan(uint32_t record, uint64_t generation) {
+bool ArenaWriter::publish_loan(uint32_t slot, uint64_t generation) {
   require_owner("publish_loan");
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (record >= gen_.size() || gen_[record] != generation || !loan_hold_[record]) {
-      throw InvalidArgument("publish_loan: record " + std::to_string(record) + " generation " +
+    if (slot >= gen_.size() || gen_[slot] != generation || !loan_hold_[slot]) {
+      throw InvalidArgument("publish_loan: slot " + std::to_string(slot) + " generation " +
                             std::to_string(generation) + " is not a live loan");
     }
-    if (published_[record]) return false;
+    if (published_[slot]) return false;
     ++stats_.loans_sent;
   }
-  publish(live_[record]);
+  publish(live_[slot]);
   return true;
 }
 
-void ArenaWriter::end_loan(uint32_t record, uint64_t generation) {
+void ArenaWriter::end_loan(uint32_t slot, uint64_t generation) {
   if (foreign()) return;  // a forked child's copy of a loan died: the loan is its parent's
   std::lock_guard<std::mutex> lock(mu_);
-  if (record >= gen_.size() || gen_[record] != generation || !loan_hold_[record]) return;
-  loan_hold_[record] = false;
-  loans_by_offset_.erase(placement_[record].offset);
-  if (!published_[record]) {
+  if (slot >= gen_.size() || gen_[slot] != generation || !loan_hold_[slot]) return;
+  loan_hold_[slot] = false;
+  loans_by_offset_.erase(placement_[slot].offset);
+  if (!published_[slot]) {
     // Never sent: nobody else can know of it. Give the space back at once.
-    in_use_.erase(std::find(in_use_.begin(), in_use_.end(), record));
-    free_locked(record);
+    in_use_.erase(std::find(in_use_.begin(), in_use_.end(), slot));
+    free_locked(slot);
     ++stats_.loans_returned;
   }
 }
@@ -567,23 +566,22 @@ void ArenaWriter::end_loan(uint32_t record, uint64_t generation) {
 void ArenaWriter::publish(const Allocation& a) {
   require_owner("publish");
   std::lock_guard<std::mutex> lock(mu_);
-  if (a.record >= gen_.size() || gen_[a.record] != a.generation || published_[a.record]) {
-    throw InvalidArgument("publish: allocation (record " + std::to_string(a.record) +
-                          ", generation " + std::to_string(a.generation) +
+  if (a.slot >= gen_.size() || gen_[a.slot] != a.generation || published_[a.slot]) {
+    throw InvalidArgument("publish: allocation (slot " + std::to_string(a.slot) + ", generation " +
+                          std::to_string(a.generation) +
                           ") is not a pending allocation of this writer");
   }
-  RecordMeta* m = record_meta(region_->data(), geo_, a.record);
-  m->checksum = debug_checksum_
-                    ? payload_checksum(region_->data() + placement_[a.record].offset, a.nbytes)
-                    : 0;
-  // Clear every reader's flag for this record? Not needed: flags hold generations, and
+  SlotMeta* m = slot_meta(region_->data(), geo_, a.slot);
+  m->checksum =
+      debug_checksum_ ? payload_checksum(region_->data() + placement_[a.slot].offset, a.nbytes) : 0;
+  // Clear every reader's flag for this slot? Not needed: flags hold generations, and
   // generations never repeat, so an old flag can't match `a.generation`.
   // SYNC POINT: release; pairs with the acquire load of published_gen in
   // ArenaReader::acquire(): the payload bytes and offset/nbytes written before this store are
   // visible to a reader that sees the generation.
   m->published_gen.store(a.generation, std::memory_order_release);
-  published_[a.record] = true;
-  published_at_[a.record] = Clock::now();
+  published_[a.slot] = true;
+  published_at_[a.slot] = Clock::now();
   ++stats_.hits;
   stats_.bytes += a.nbytes;
   if (a.cold) {
@@ -598,10 +596,10 @@ void ArenaWriter::publish(const Allocation& a) {
 void ArenaWriter::abort(const Allocation& stub) {
   if (foreign()) return;  // a cleanup path; nothing of a forked child's is in the arena
   std::lock_guard<std::mutex> lock(mu_);
-  if (stub.record >= gen_.size() || gen_[stub.record] != stub.generation) return;  // recycled
+  if (stub.slot >= gen_.size() || gen_[stub.slot] != stub.generation) return;  // recycled
   // Counters come from what allocate() handed out, not from the caller's copy.
-  const Allocation& a = live_[stub.record];
-  if (published_[a.record]) {
+  const Allocation& a = live_[stub.slot];
+  if (published_[a.slot]) {
     // Undo the publish counters: the allocation never reached anyone.
     --stats_.hits;
     stats_.bytes -= a.nbytes;
@@ -613,17 +611,17 @@ void ArenaWriter::abort(const Allocation& stub) {
       stats_.warm_bytes -= a.nbytes;
     }
   }
-  if (loan_hold_[a.record]) {
+  if (loan_hold_[a.slot]) {
     // An aborted send of a loan: the writer still holds its view; unpublish, keep the loan.
     // SYNC POINT: relaxed; the stub never left this process, so no reader can be looking.
-    record_meta(region_->data(), geo_, a.record)->published_gen.store(0, std::memory_order_relaxed);
-    published_[a.record] = false;
+    slot_meta(region_->data(), geo_, a.slot)->published_gen.store(0, std::memory_order_relaxed);
+    published_[a.slot] = false;
     --stats_.loans_sent;
     ++stats_.aborted;
     return;
   }
-  in_use_.erase(std::find(in_use_.begin(), in_use_.end(), a.record));
-  free_locked(a.record);
+  in_use_.erase(std::find(in_use_.begin(), in_use_.end(), a.slot));
+  free_locked(a.slot);
   ++stats_.aborted;
 }
 
@@ -662,7 +660,7 @@ std::vector<ReaderHolding> ArenaWriter::holdings() const {
       if (!published_[rec]) continue;
       // SYNC POINT: relaxed; monitoring only (see above).
       if (released_gen(base, geo_, r, rec)->load(std::memory_order_relaxed) == gen_[rec]) continue;
-      ++out[r].records_held;
+      ++out[r].slots_held;
       double age = std::chrono::duration<double>(now - published_at_[rec]).count();
       out[r].oldest_age_seconds = std::max(out[r].oldest_age_seconds, age);
     }
@@ -711,12 +709,12 @@ std::shared_ptr<ArenaReader> ArenaReader::attach(
   // writer's DEAD CAS: an earlier holder of this rank is gone (we hold its token now).
   auto prev = static_cast<ReaderState>(e->state.load(std::memory_order_acquire));
   if (prev != ReaderState::kNeverAttached) {
-    // A replacement reader starts with nothing held: mark every record published so far as
+    // A replacement reader starts with nothing held: mark every slot published so far as
     // released by this rank, so the writer does not wait for messages the old process took
     // with it.
-    for (uint32_t r = 0; r < geo.max_records; ++r) {
+    for (uint32_t r = 0; r < geo.max_slots; ++r) {
       // SYNC POINT: acquire; pairs with the release store in ArenaWriter::publish().
-      uint64_t g = record_meta(base, geo, r)->published_gen.load(std::memory_order_acquire);
+      uint64_t g = slot_meta(base, geo, r)->published_gen.load(std::memory_order_acquire);
       // SYNC POINT: release; pairs with the writer's acquire load in reader_lets_go().
       if (valid_generation(g))
         released_gen(base, geo, rank, r)->store(g, std::memory_order_release);
@@ -741,22 +739,22 @@ Liveness ArenaReader::writer_liveness() const {
   return probe_token(region_->fd(), kWriterTokenByte);
 }
 
-uint64_t ArenaReader::published_generation(uint32_t record) const {
-  if (record >= geo_.max_records) {
-    throw OutOfRange("slot " + std::to_string(record) + " out of range [0, " +
-                     std::to_string(geo_.max_records) + ")");
+uint64_t ArenaReader::published_generation(uint32_t slot) const {
+  if (slot >= geo_.max_slots) {
+    throw OutOfRange("slot " + std::to_string(slot) + " out of range [0, " +
+                     std::to_string(geo_.max_slots) + ")");
   }
   // SYNC POINT: acquire; pairs with the release store in ArenaWriter::publish().
   uint64_t g =
-      record_meta(region_->data(), geo_, record)->published_gen.load(std::memory_order_acquire);
+      slot_meta(region_->data(), geo_, slot)->published_gen.load(std::memory_order_acquire);
   return valid_generation(g) ? g : 0;  // out of range: garbage, never a publication
 }
 
-const uint8_t* ArenaReader::acquire(uint32_t record, uint64_t generation, uint64_t nbytes,
+const uint8_t* ArenaReader::acquire(uint32_t slot, uint64_t generation, uint64_t nbytes,
                                     uint64_t offset) {
-  if (record >= geo_.max_records) {
-    throw OutOfRange("slot " + std::to_string(record) + " out of range [0, " +
-                     std::to_string(geo_.max_records) + ") in arena '" + name() + "'");
+  if (slot >= geo_.max_slots) {
+    throw OutOfRange("slot " + std::to_string(slot) + " out of range [0, " +
+                     std::to_string(geo_.max_slots) + ") in arena '" + name() + "'");
   }
   if (foreign()) {
     throw InvalidArgument("arena '" + name() + "' reader rank " + std::to_string(rank_) +
@@ -765,41 +763,41 @@ const uint8_t* ArenaReader::acquire(uint32_t record, uint64_t generation, uint64
   }
   if (!valid_generation(generation)) {
     throw InvalidArgument("generation " + std::to_string(generation) + " for slot " +
-                          std::to_string(record) + " is out of range [1, 2^44)");
+                          std::to_string(slot) + " is out of range [1, 2^44)");
   }
   uint8_t* base = region_->data();
   std::lock_guard<std::mutex> lock(mu_);
   if (detached_) throw InvalidArgument("arena '" + name() + "' reader is closed");
-  auto it = holds_.find(record);
+  auto it = holds_.find(slot);
   if (it != holds_.end()) {
     // Already held by this process: the writer can't have recycled it.
     if (it->second.generation != generation) {
-      throw InvalidArgument("stale stub for slot " + std::to_string(record) + ": generation " +
+      throw InvalidArgument("stale stub for slot " + std::to_string(slot) + ": generation " +
                             std::to_string(generation) + ", slot holds generation " +
                             std::to_string(it->second.generation));
     }
   } else {
-    RecordMeta* m = record_meta(base, geo_, record);
+    SlotMeta* m = slot_meta(base, geo_, slot);
     // SYNC POINT: acquire; pairs with the release store in ArenaWriter::publish(), making the
-    // payload and the record's offset / capacity / nbytes visible.
+    // payload and the slot's offset / capacity / nbytes visible.
     uint64_t g = m->published_gen.load(std::memory_order_acquire);
     if (g != generation || generation == 0) {
-      throw InvalidArgument("stale stub for slot " + std::to_string(record) + ": generation " +
+      throw InvalidArgument("stale stub for slot " + std::to_string(slot) + ": generation " +
                             std::to_string(generation) + ", slot holds generation " +
                             std::to_string(g) + " (already recycled or never published)");
     }
     // SYNC POINT: relaxed; this reader is the only writer of its own flag.
-    if (released_gen(base, geo_, rank_, record)->load(std::memory_order_relaxed) == generation) {
-      throw InvalidArgument("slot " + std::to_string(record) + " generation " +
+    if (released_gen(base, geo_, rank_, slot)->load(std::memory_order_relaxed) == generation) {
+      throw InvalidArgument("slot " + std::to_string(slot) + " generation " +
                             std::to_string(generation) + " was already released by reader " +
                             std::to_string(rank_));
     }
     // Read once, validate the copy, and keep using only the copy for as long as it is held.
-    RecordCopy c;
-    if (!read_record(base, geo_, record, &c)) {
-      throw InvalidArgument("slot " + std::to_string(record) + " metadata is corrupt");
+    SlotCopy c;
+    if (!read_slot(base, geo_, slot, &c)) {
+      throw InvalidArgument("slot " + std::to_string(slot) + " metadata is corrupt");
     }
-    it = holds_.emplace(record, Hold{generation, 0, c.offset, c.nbytes, c.checksum}).first;
+    it = holds_.emplace(slot, Hold{generation, 0, c.offset, c.nbytes, c.checksum}).first;
   }
   const Hold& hold = it->second;
   if (offset > hold.nbytes || nbytes > hold.nbytes - offset) {
@@ -807,17 +805,17 @@ const uint8_t* ArenaReader::acquire(uint32_t record, uint64_t generation, uint64
     if (it->second.count == 0) holds_.erase(it);
     throw InvalidArgument("nbytes " + std::to_string(nbytes) + " at offset " +
                           std::to_string(offset) + " does not fit the " + std::to_string(written) +
-                          " bytes written to slot " + std::to_string(record));
+                          " bytes written to slot " + std::to_string(slot));
   }
   ++it->second.count;
   return base + hold.offset + offset;
 }
 
-void ArenaReader::release(uint32_t record, uint64_t generation) {
+void ArenaReader::release(uint32_t slot, uint64_t generation) {
   // A forked child dropping its inherited copy of a tensor: the hold is its parent's.
   if (foreign()) return;
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = holds_.find(record);
+  auto it = holds_.find(slot);
   if (it == holds_.end() || it->second.generation != generation) return;
   if (--it->second.count > 0) return;
   Hold hold = it->second;
@@ -828,21 +826,20 @@ void ArenaReader::release(uint32_t record, uint64_t generation) {
   }
   // SYNC POINT: release; pairs with the writer's acquire load in reader_lets_go(): every
   // read of the slot by this process happens-before the writer recycles it.
-  released_gen(region_->data(), geo_, rank_, record)->store(generation, std::memory_order_release);
+  released_gen(region_->data(), geo_, rank_, slot)->store(generation, std::memory_order_release);
 }
 
-void ArenaReader::release_unacquired(uint32_t record, uint64_t generation) {
-  if (record >= geo_.max_records || !valid_generation(generation) || foreign()) return;
+void ArenaReader::release_unacquired(uint32_t slot, uint64_t generation) {
+  if (slot >= geo_.max_slots || !valid_generation(generation) || foreign()) return;
   uint8_t* base = region_->data();
   std::lock_guard<std::mutex> lock(mu_);
-  if (holds_.count(record) != 0) return;  // acquired after all; release() will handle it
+  if (holds_.count(slot) != 0) return;  // acquired after all; release() will handle it
   // SYNC POINT: acquire; pairs with the release store in ArenaWriter::publish().
-  if (record_meta(base, geo_, record)->published_gen.load(std::memory_order_acquire) !=
-      generation) {
+  if (slot_meta(base, geo_, slot)->published_gen.load(std::memory_order_acquire) != generation) {
     return;
   }
   // SYNC POINT: release; pairs with the writer's acquire load in reader_lets_go().
-  released_gen(base, geo_, rank_, record)->store(generation, std::memory_order_release);
+  released_gen(base, geo_, rank_, slot)->store(generation, std::memory_order_release);
 }
 
 size_t ArenaReader::held() const {

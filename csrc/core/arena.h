@@ -2,7 +2,7 @@
 //
 // Roles are separate classes: ArenaWriter (exactly one live process per arena) hands out
 // allocations and recycles them; ArenaReader (one per reader rank) validates the stubs it is
-// sent and releases what it no longer uses. The layout and the state machine of a record are
+// sent and releases what it no longer uses. The layout and the state machine of a slot are
 // drawn in arena_layout.h; where space comes from is AllocationPolicy's business.
 //
 // The writer never blocks: when nothing is free, an allocation is too big, or the shm
@@ -10,8 +10,8 @@
 // path. A reader the kernel says is dead (its liveness token is free, core/liveness.h) is
 // treated as having released everything it held; one whose liveness is unknown still holds.
 //
-// Fork: each end records the process that built it. In a forked child the inherited copies
-// are inert: destructors and the implicit paths (a tensor's deleter releasing a record, a loan
+// Fork: each end remembers the process that built it. In a forked child the inherited copies
+// are inert: destructors and the implicit paths (a tensor's deleter releasing a slot, a loan
 // ending) do nothing, so a child can never release its parent's holds, unlink its parent's
 // name or act as a second writer; explicit calls raise InvalidArgument.
 #pragma once
@@ -43,7 +43,7 @@ struct ArenaConfig {
   uint32_t num_slots = 8;                       ///< fixed-slot policy: number of slots
   uint64_t slot_bytes = 256ull << 20;  ///< fixed-slot policy: bytes per slot (rounded up to 4 KiB)
   uint64_t arena_bytes = 2ull << 30;   ///< variable policy: data region bytes (4 KiB multiple)
-  uint32_t max_records = 1024;         ///< variable policy: live allocations at most
+  uint32_t max_slots = 1024;           ///< variable policy: live allocations at most
   std::string dir = ShmRegion::default_dir();  ///< where the shm name lives
   std::string prefix = "vsa_";                 ///< name prefix, followed by 128 random bits
 };
@@ -63,21 +63,21 @@ struct WriterStats {
   uint64_t warm_copies = 0;  ///< allocations into pages written before
   uint64_t cold_bytes = 0;
   uint64_t warm_bytes = 0;
-  uint64_t reclaimed = 0;         ///< records recycled after every reader let go
+  uint64_t reclaimed = 0;         ///< slots recycled after every reader let go
   uint64_t dead_readers = 0;      ///< readers found dead (their holdings were reclaimed)
   uint64_t liveness_unknown = 0;  ///< liveness probes the kernel did not answer (kept alive)
   uint64_t aborted = 0;           ///< allocations given back unpublished
   uint64_t loans = 0;             ///< allocations lent to the writer to fill in place
   uint64_t loans_sent = 0;        ///< loans published without a copy
   uint64_t loans_returned = 0;    ///< loans dropped unsent (space given back)
-  uint32_t in_use = 0;            ///< records currently published or being filled
+  uint32_t in_use = 0;            ///< slots currently published or being filled
   uint64_t free_bytes = 0;        ///< variable policy: bytes free now
   uint64_t largest_free = 0;      ///< variable policy: largest free extent now
 };
 
 /// Where a pointer range falls inside a loaned allocation.
 struct LoanRef {
-  uint32_t record = 0;
+  uint32_t slot = 0;
   uint64_t generation = 0;
   uint64_t offset = 0;  ///< of the range within the allocation
   bool published = false;
@@ -87,13 +87,13 @@ struct LoanRef {
 struct ReaderHolding {
   uint32_t rank = 0;
   ReaderState state = ReaderState::kNeverAttached;
-  uint32_t records_held = 0;      ///< published records this reader has not released
+  uint32_t slots_held = 0;        ///< published slots this reader has not released
   double oldest_age_seconds = 0;  ///< age of the oldest of them (0 if none)
 };
 
 /// A claimed allocation the writer is filling (before publish) or has published.
 struct Allocation {
-  uint32_t record = 0;
+  uint32_t slot = 0;
   uint64_t generation = 0;
   uint8_t* data = nullptr;  ///< where to write the payload (writer's mapping)
   uint64_t nbytes = 0;
@@ -106,7 +106,7 @@ class ArenaWriter {
   /// Creates a new region sized for `cfg` after checking the shm directory has room.
   static std::unique_ptr<ArenaWriter> create(const ArenaConfig& cfg);
   /// Takes over an existing arena whose writer has died; its generations continue above every
-  /// generation the segment shows (header, records, release flags). Throws TokenHeld (an
+  /// generation the segment shows (header, slots, release flags). Throws TokenHeld (an
   /// InvalidArgument) if the arena still has a live writer, InvalidArgument if no generation
   /// below 2^44 is left.
   static std::unique_ptr<ArenaWriter> attach(const std::string& name,
@@ -122,7 +122,7 @@ class ArenaWriter {
   /// Makes a filled allocation visible to readers.
   void publish(const Allocation& a);
   /// Gives an unpublished — or published but never sent — allocation back at once. Only
-  /// `record` and `generation` of `a` are read; a stale pair is ignored.
+  /// `slot` and `generation` of `a` are read; a stale pair is ignored.
   void abort(const Allocation& a);
   /// allocate + parallel copy of `src` + publish; nullopt when declined. `working_set`: the
   /// bytes this copy and those just before it (one message's) write, for the copy's choice of
@@ -136,29 +136,29 @@ class ArenaWriter {
   std::optional<LoanRef> find_loan(const void* p, uint64_t n) const;
   /// Publishes a loan for sending. False if it was already published (sent before): the
   /// caller must then send a copy, since readers may have released the first send.
-  bool publish_loan(uint32_t record, uint64_t generation);
+  bool publish_loan(uint32_t slot, uint64_t generation);
   /// The writer's last view of a loan died: an unsent loan is freed, a sent one is left to
   /// its readers.
-  void end_loan(uint32_t record, uint64_t generation);
+  void end_loan(uint32_t slot, uint64_t generation);
   /// Debug mode: checksum every payload at publish so readers can verify it at release
   /// (catches in-place writes by a reader, which the others would see).
   void set_debug_checksum(bool on) { debug_checksum_ = on; }
   /// Counts a decline decided above the core (too small, not contiguous, unsupported type).
   void count_decline(DeclineReason why);
-  /// Recycles records every reader let go of. With `check_liveness`, readers that block a
-  /// record are checked for death first. Returns the number recycled.
+  /// Recycles slots every reader let go of. With `check_liveness`, readers that block a
+  /// slot are checked for death first. Returns the number recycled.
   size_t reclaim(bool check_liveness);
 
   /// A snapshot of the counters.
   WriterStats stats() const;
-  /// Per reader: state, records held and the age of the oldest.
+  /// Per reader: state, slots held and the age of the oldest.
   std::vector<ReaderHolding> holdings() const;
   /// The largest payload one allocation can hold.
   uint64_t max_allocation() const;
 
   const std::string& name() const { return region_->name(); }
   uint32_t n_readers() const { return geo_.n_readers; }
-  uint32_t max_records() const { return geo_.max_records; }
+  uint32_t max_slots() const { return geo_.max_slots; }
   const ArenaGeometry& geometry() const { return geo_; }
   const std::shared_ptr<ShmRegion>& region() const { return region_; }
   /// Removes the shm name (mappings stay valid); readers can no longer attach. A no-op in a
@@ -175,8 +175,8 @@ class ArenaWriter {
   size_t reclaim_locked(bool check_liveness);
   std::optional<Allocation> allocate_locked(uint64_t nbytes);
   bool reserve_blocks(uint64_t offset, uint64_t len, bool* cold);
-  void free_locked(uint32_t record);
-  bool reader_lets_go(uint32_t rank, uint32_t record, uint64_t gen, bool check_liveness);
+  void free_locked(uint32_t slot);
+  bool reader_lets_go(uint32_t rank, uint32_t slot, uint64_t gen, bool check_liveness);
 
   std::shared_ptr<ShmRegion> region_;
   ArenaGeometry geo_;  // validated once; never re-read from shared memory
@@ -184,16 +184,16 @@ class ArenaWriter {
   std::unique_ptr<LivenessToken> token_;  // the writer role, held while this object lives
   pid_t owner_pid_;
   mutable std::mutex mu_;  // one writer process, but Python may call it from several threads
-  // Writer-private bookkeeping, indexed by record.
+  // Writer-private bookkeeping, indexed by slot.
   std::vector<Placement> placement_;
-  std::vector<Allocation> live_;  // the allocation handed out for each record
+  std::vector<Allocation> live_;  // the allocation handed out for each slot
   std::vector<uint64_t> gen_;     // generation of the live allocation, 0 = free
   std::vector<bool> published_;
   std::vector<std::chrono::steady_clock::time_point> published_at_;
   std::vector<bool> loan_hold_;  // a writer-side view of a loan is alive
   std::vector<bool> reserved_;   // per 2 MiB block of data: fallocated (warm after a write)
-  std::map<uint64_t, uint32_t> loans_by_offset_;  // live loans: offset -> record
-  std::vector<uint32_t> in_use_;                  // records with gen_ != 0
+  std::map<uint64_t, uint32_t> loans_by_offset_;  // live loans: offset -> slot
+  std::vector<uint32_t> in_use_;                  // slots with gen_ != 0
   std::vector<std::chrono::steady_clock::time_point> last_liveness_check_;
   WriterStats stats_;
   bool debug_checksum_ = false;
@@ -215,19 +215,18 @@ class ArenaReader {
       const std::function<void(const ArenaGeometry&)>& check = {});
   ~ArenaReader();
 
-  /// Validates a stub and pins the record for this reader: record in range, generation
+  /// Validates a stub and pins the slot for this reader: slot in range, generation
   /// published, not yet released by this reader, [offset, offset+nbytes) inside what was
   /// written. Returns the address of that range. Every acquire needs one release.
-  const uint8_t* acquire(uint32_t record, uint64_t generation, uint64_t nbytes,
-                         uint64_t offset = 0);
-  /// Drops one acquire; the last one tells the writer this reader is done with the record.
+  const uint8_t* acquire(uint32_t slot, uint64_t generation, uint64_t nbytes, uint64_t offset = 0);
+  /// Drops one acquire; the last one tells the writer this reader is done with the slot.
   /// A no-op in a forked child: the hold is its parent's.
-  void release(uint32_t record, uint64_t generation);
-  /// Releases a record this reader was sent but never acquired (a message it failed to
+  void release(uint32_t slot, uint64_t generation);
+  /// Releases a slot this reader was sent but never acquired (a message it failed to
   /// unpickle). A no-op if it is already released or was recycled (stale generation).
-  void release_unacquired(uint32_t record, uint64_t generation);
-  /// The generation currently published in `record` (0 if none).
-  uint64_t published_generation(uint32_t record) const;
+  void release_unacquired(uint32_t slot, uint64_t generation);
+  /// The generation currently published in `slot` (0 if none).
+  uint64_t published_generation(uint32_t slot) const;
   /// Marks this rank detached: the writer stops waiting for it. Called by the destructor. A
   /// no-op in a forked child.
   void detach();
@@ -237,7 +236,7 @@ class ArenaReader {
   bool foreign() const;
 
   uint32_t rank() const { return rank_; }
-  uint32_t max_records() const { return geo_.max_records; }
+  uint32_t max_slots() const { return geo_.max_slots; }
   uint64_t max_allocation() const;
   /// Start (from the region's base) and size of the data region.
   uint64_t data_offset() const { return geo_.data_offset; }
@@ -247,7 +246,7 @@ class ArenaReader {
   const ArenaGeometry& geometry() const { return geo_; }
   const std::string& name() const { return region_->name(); }
   const std::shared_ptr<ShmRegion>& region() const { return region_; }
-  /// Records this reader currently holds (acquired and not yet released).
+  /// Slots this reader currently holds (acquired and not yet released).
   size_t held() const;
   /// Debug mode: releases whose payload no longer matched the writer's checksum.
   uint64_t checksum_mismatches() const { return mismatches_.load(std::memory_order_relaxed); }
@@ -264,7 +263,7 @@ class ArenaReader {
   pid_t owner_pid_;
   bool detached_ = false;
   mutable std::mutex mu_;
-  // A held record keeps the copy of its metadata taken (and validated) at its first acquire.
+  // A held slot keeps the copy of its metadata taken (and validated) at its first acquire.
   struct Hold {
     uint64_t generation;
     uint32_t count;

@@ -1,16 +1,16 @@
-// Shared-memory layout of the tensor arena and the state machine of its allocation records.
+// Shared-memory layout of the tensor arena and the state machine of its allocation slots.
 //
 //  offset 0            +---------------------------------------------------------------+
 //                      | ArenaHeader (one 4 KiB page): magic, layout version, sizes,   |
 //                      | offsets, policy parameters, writer identity                   |
 //  readers_offset      +---------------------------------------------------------------+
 //                      | ReaderEntry[n_readers], 64 B each: identity, state            |
-//  records_offset      +---------------------------------------------------------------+
-//                      | RecordMeta[max_records], 64 B each (written by the writer):   |
+//  slots_offset      +---------------------------------------------------------------+
+//                      | SlotMeta[max_slots], 64 B each (written by the writer):   |
 //                      |   offset, capacity, nbytes, published_gen                     |
 //  releases_offset     +---------------------------------------------------------------+
-//                      | reader 0: released_gen[max_records]  (padded to 64 B)         |
-//                      | reader 1: released_gen[max_records]  (padded to 64 B)         |
+//                      | reader 0: released_gen[max_slots]  (padded to 64 B)         |
+//                      | reader 1: released_gen[max_slots]  (padded to 64 B)         |
 //                      | ...      each reader writes only its own block: no false      |
 //                      |          sharing between readers                              |
 //  data_offset (2 MiB) +---------------------------------------------------------------+
@@ -18,7 +18,7 @@
 //                      | (fixed slots: slot i at i * slot_bytes)                       |
 //                      +---------------------------------------------------------------+
 //
-// Record states. Generations start at 1, stay below 2^44 (kGenerationLimit) and never repeat
+// Slot states. Generations start at 1, stay below 2^44 (kGenerationLimit) and never repeat
 // within an arena, so a flag left over from an earlier use can never be mistaken for a release
 // of the current one. The writer counts them in its own memory: the header's next_generation
 // is only a copy for a writer taking over, which continues above every generation the segment
@@ -32,14 +32,14 @@
 //                  DETACHED, or r DEAD──▶ FREE (published_gen.store(0))
 //
 // FREE and FILLING differ only in the writer's private bookkeeping: the writer is the only
-// process that moves a record out of FREE, so no other process needs to see the difference.
-// A reader accepts a stub (record, g) only while published_gen == g and its own
-// released_gen != g. The writer cannot recycle the record before this reader releases it (or
-// is found dead), so a record a live reader validated stays valid until that reader lets go.
+// process that moves a slot out of FREE, so no other process needs to see the difference.
+// A reader accepts a stub (slot, g) only while published_gen == g and its own
+// released_gen != g. The writer cannot recycle the slot before this reader releases it (or
+// is found dead), so a slot a live reader validated stays valid until that reader lets go.
 //
 // Reader states: NEVER_ATTACHED ─attach─▶ ATTACHED ─close─▶ DETACHED
 //                                         ATTACHED ─writer finds the process dead─▶ DEAD
-// A NEVER_ATTACHED reader still counts as holding every published record: its messages may
+// A NEVER_ATTACHED reader still counts as holding every published slot: its messages may
 // be queued for it already. DETACHED and DEAD readers hold nothing.
 //
 // Liveness (core/liveness.h): each role holds an open-file-description lock on one byte of
@@ -51,7 +51,7 @@
 //
 // Untrusted input: every process that maps the segment can write all of it. Geometry is read
 // and validated once, at create/attach, and kept in process-private memory (ArenaGeometry);
-// a record's offset/capacity/nbytes are read once per acquire into locals and checked there.
+// a slot's offset/capacity/nbytes are read once per acquire into locals and checked there.
 #pragma once
 
 #include <atomic>
@@ -67,12 +67,12 @@ constexpr uint64_t kCacheLine = 64;
 constexpr uint64_t kDataAlign = 2ull << 20;  // 2 MiB: huge-page friendly where tmpfs has them.
 constexpr uint64_t kAllocAlign = 4096;       // every allocation starts on a page.
 constexpr uint32_t kMaxReaders = 1024;
-constexpr uint32_t kMaxRecords = 1u << 20;
-/// Generations stay below 2^44 (exclusive): a release token packs (generation << 20) | record
+constexpr uint32_t kMaxSlots = 1u << 20;
+/// Generations stay below 2^44 (exclusive): a release token packs (generation << 20) | slot
 /// into 64 bits. A writer that reaches it declines every allocation.
 constexpr uint64_t kGenerationLimit = 1ull << 44;
-static_assert(kMaxRecords <= (1u << 20) && kGenerationLimit <= (1ull << (64 - 20)),
-              "a generation and a record index must fit one 64-bit release token");
+static_assert(kMaxSlots <= (1u << 20) && kGenerationLimit <= (1ull << (64 - 20)),
+              "a generation and a slot index must fit one 64-bit release token");
 
 /// Whether a generation (a stub's, or one read from shared memory) can be a real one.
 constexpr bool valid_generation(uint64_t g) { return g != 0 && g < kGenerationLimit; }
@@ -96,9 +96,9 @@ struct ArenaHeader {
   uint32_t policy;  // PolicyKind
   uint64_t region_bytes;
   uint32_t n_readers;
-  uint32_t max_records;
+  uint32_t max_slots;
   uint64_t readers_offset;
-  uint64_t records_offset;
+  uint64_t slots_offset;
   uint64_t releases_offset;
   uint64_t releases_stride;  // bytes between two readers' released_gen blocks
   uint64_t data_offset;
@@ -124,9 +124,9 @@ struct ArenaGeometry {
   PolicyKind policy = PolicyKind::kFixedSlots;
   uint64_t region_bytes = 0;
   uint32_t n_readers = 0;
-  uint32_t max_records = 0;
+  uint32_t max_slots = 0;
   uint64_t readers_offset = 0;
-  uint64_t records_offset = 0;
+  uint64_t slots_offset = 0;
   uint64_t releases_offset = 0;
   uint64_t releases_stride = 0;
   uint64_t data_offset = 0;
@@ -134,15 +134,15 @@ struct ArenaGeometry {
   uint64_t slot_bytes = 0;
 };
 
-/// One allocation record; only the writer stores to it.
-struct alignas(kCacheLine) RecordMeta {
+/// One allocation slot; only the writer stores to it.
+struct alignas(kCacheLine) SlotMeta {
   uint64_t offset;                      // from the start of the region
   uint64_t capacity;                    // bytes reserved for this allocation
   uint64_t nbytes;                      // payload bytes written
   std::atomic<uint64_t> published_gen;  // 0 = not published
   uint64_t checksum;  // debug mode: payload_checksum() at publish, 0 = not computed
 };
-static_assert(sizeof(RecordMeta) == kCacheLine,
-              "records are a cache line each so the writer's stores don't share lines");
+static_assert(sizeof(SlotMeta) == kCacheLine,
+              "slots are a cache line each so the writer's stores don't share lines");
 
 }  // namespace vllm_shm_arena

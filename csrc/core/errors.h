@@ -14,7 +14,7 @@ class InvalidArgument : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-/// A caller passed an index outside the valid range (record, reader rank...).
+/// A caller passed an index outside the valid range (slot, reader rank...).
 class OutOfRange : public std::out_of_range {
  public:
   using std::out_of_range::out_of_range;

@@ -131,10 +131,9 @@ bool ReaderHolds::foreign() const { return ::getpid() != owner_pid_; }
 
 ReaderHolds::Hold ReaderHolds::acquire(uint32_t slot, uint64_t generation, uint64_t nbytes,
                                        uint64_t offset, bool dma) {
-  if (slot >= reader_->max_records()) {
+  if (slot >= reader_->max_slots()) {
     throw OutOfRange("slot_idx " + std::to_string(slot) + " out of range [0, " +
-                     std::to_string(reader_->max_records()) + ") in arena '" + reader_->name() +
-                     "'");
+                     std::to_string(reader_->max_slots()) + ") in arena '" + reader_->name() + "'");
   }
   const uint64_t limit = reader_->max_allocation();
   if (nbytes > limit) {

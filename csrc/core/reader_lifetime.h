@@ -1,9 +1,9 @@
 // How the holds a reader rank hands out end: the rules between a view of arena memory (a
-// tensor the bindings build over it) dying and its record going back to the writer, with
+// tensor the bindings build over it) dying and its slot going back to the writer, with
 // page-locking and the DMA that may still read pinned memory after the view is gone.
 //
 //   acquire(slot, gen, nbytes, offset, dma)            the view's deleter, on any thread
-//     ArenaReader::acquire: the record is held  --->   freed(slot, gen, gated)
+//     ArenaReader::acquire: the slot is held  --->   freed(slot, gen, gated)
 //     dma: pin the data region on first use              gated = false: ArenaReader::release
 //     -> Hold{data, generation, gated}                   gated = true:  ReleaseGate::freed(token)
 //                                                                          |
@@ -33,7 +33,7 @@
 //
 // Release tokens: a gated release waits in the gate as one 64-bit token, the slot in the low
 // kTokenSlotBits bits and the generation above them. Both are checked on the way in, so no bit
-// is ever lost: a truncated generation would release nothing, and the record would never come
+// is ever lost: a truncated generation would release nothing, and the slot would never come
 // back to the writer.
 #pragma once
 
@@ -56,7 +56,7 @@ namespace vllm_shm_arena {
 constexpr unsigned kTokenSlotBits = 20;
 /// Generations a release token can carry: below 2^(64 - kTokenSlotBits).
 constexpr uint64_t kTokenGenerationLimit = uint64_t{1} << (64 - kTokenSlotBits);
-static_assert(kMaxRecords <= (uint64_t{1} << kTokenSlotBits),
+static_assert(kMaxSlots <= (uint64_t{1} << kTokenSlotBits),
               "every slot index must fit the slot bits of a release token");
 static_assert(kGenerationLimit <= kTokenGenerationLimit,
               "every generation the writer hands out must fit a release token");
@@ -120,7 +120,7 @@ uint64_t pin_chunk_bytes(bool variable, uint64_t data_bytes, uint64_t slot_bytes
 
 /// A reader's counters and pin state (the Python reader's stats()).
 struct ReaderHoldsStats {
-  size_t held = 0;                   ///< records acquired and not yet released
+  size_t held = 0;                   ///< slots acquired and not yet released
   uint64_t checksum_mismatches = 0;  ///< debug mode: releases whose payload had changed
   size_t pinned_bytes = 0;           ///< bytes of the data region page-locked now
   bool pin_failed = false;           ///< a registration failed, or pin_no_space

@@ -25,7 +25,7 @@ TEST_CASE("fixed slots reuse the most recently freed slot", "[policy]") {
   sut.free(*b);
   auto d = sut.place(1, &why);
   REQUIRE(d);
-  CHECK(d->record == b->record);
+  CHECK(d->slot == b->slot);
 }
 
 TEST_CASE("variable packing: sizes, alignment, bounds", "[policy]") {
@@ -49,11 +49,11 @@ TEST_CASE("variable packing: sizes, alignment, bounds", "[policy]") {
   sut.free(*whole);
   CHECK_FALSE(sut.place(bytes + 1, &why));
   CHECK(why == DeclineReason::kOversize);
-  // The record pool is the metadata bound.
+  // The slot pool is the metadata bound.
   std::vector<Placement> held;
   for (int i = 0; i < 4; ++i) held.push_back(*sut.place(4096, &why));
   CHECK_FALSE(sut.place(4096, &why));
-  CHECK(why == DeclineReason::kNoRecord);
+  CHECK(why == DeclineReason::kSlotTableFull);
 }
 
 TEST_CASE("variable packing: a burst of 25 x 16 MB fits a 512 MiB region", "[policy]") {
@@ -113,7 +113,7 @@ TEST_CASE("mark_used carves a live allocation out of the free space", "[policy]"
   std::vector<Placement> got;
   while (auto p = sut.place(4096, &why)) got.push_back(*p);
   for (auto& p : got) {
-    CHECK(p.record != 3);
+    CHECK(p.slot != 3);
     CHECK(p.offset != 8192);
   }
 }
@@ -126,7 +126,7 @@ TEST_CASE("every decline reason has its stats() name, in enum order", "[policy]"
     CHECK(std::string(kDeclineReasonNames[i]) == want[i]);
     CHECK(std::string(decline_reason_name(static_cast<DeclineReason>(i))) == want[i]);
   }
-  CHECK(std::string(decline_reason_name(DeclineReason::kNoRecord)) == "no_record");
+  CHECK(std::string(decline_reason_name(DeclineReason::kSlotTableFull)) == "no_record");
   CHECK(std::string(decline_reason_name(DeclineReason::kCount)) == "unknown");
   CHECK(std::string(decline_reason_name(static_cast<DeclineReason>(1000))) == "unknown");
 }

@@ -64,9 +64,9 @@ TEST_CASE("byte-exact round trips at edge sizes", "[arena]") {
     fill_pattern(src.data(), n, n);
     auto a = sut->write(src.data(), n);
     REQUIRE(a.has_value());
-    const uint8_t* p = reader->acquire(a->record, a->generation, n);
+    const uint8_t* p = reader->acquire(a->slot, a->generation, n);
     REQUIRE(std::memcmp(p, src.data(), n) == 0);
-    reader->release(a->record, a->generation);
+    reader->release(a->slot, a->generation);
   }
   std::vector<uint8_t> big(slot + 1);
   REQUIRE_FALSE(sut->write(big.data(), big.size()).has_value());
@@ -105,11 +105,11 @@ TEST_CASE("no reuse until every reader releases", "[arena]") {
       uint8_t v = 1;
       auto a = sut->write(&v, 1);
       REQUIRE(a);
-      for (uint32_t r = 0; r < n; ++r) readers[r]->acquire(a->record, a->generation, 1);
+      for (uint32_t r = 0; r < n; ++r) readers[r]->acquire(a->slot, a->generation, 1);
       for (uint32_t r = 0; r < n; ++r) {
         // Until the last reader lets go, the only slot stays taken.
         REQUIRE_FALSE(sut->write(&v, 1).has_value());
-        readers[r]->release(a->record, a->generation);
+        readers[r]->release(a->slot, a->generation);
       }
       auto b = sut->write(&v, 1);
       REQUIRE(b.has_value());
@@ -125,11 +125,11 @@ TEST_CASE("a reader that acquires twice must release twice", "[arena]") {
   sut->unlink();
   uint8_t v = 3;
   auto a = sut->write(&v, 1);
-  reader->acquire(a->record, a->generation, 1);
-  reader->acquire(a->record, a->generation, 1);
-  reader->release(a->record, a->generation);
+  reader->acquire(a->slot, a->generation, 1);
+  reader->acquire(a->slot, a->generation, 1);
+  reader->release(a->slot, a->generation);
   CHECK_FALSE(sut->write(&v, 1).has_value());
-  reader->release(a->record, a->generation);
+  reader->release(a->slot, a->generation);
   CHECK(sut->write(&v, 1).has_value());
 }
 
@@ -145,10 +145,10 @@ TEST_CASE("exhaustion declines without blocking and prefers warm slots", "[arena
   CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1));
   CHECK(declined(sut->stats(), DeclineReason::kNoFreeSlot) == 1);
   // Release the middle slot: the next allocation reuses exactly it (warm), not a cold one.
-  reader->release_unacquired(held[1].record, held[1].generation);
+  reader->release_unacquired(held[1].slot, held[1].generation);
   auto again = sut->write(buf.data(), buf.size());
   REQUIRE(again);
-  CHECK(again->record == held[1].record);
+  CHECK(again->slot == held[1].slot);
   WriterStats s = sut->stats();
   CHECK(s.cold_copies == 3);
   CHECK(s.warm_copies == 1);
@@ -162,7 +162,7 @@ TEST_CASE("abort gives an allocation back", "[arena]") {
   auto a = sut->write(&v, 1);
   REQUIRE(a);
   sut->abort(*a);
-  CHECK_THROWS_AS(reader->acquire(a->record, a->generation, 1), InvalidArgument);
+  CHECK_THROWS_AS(reader->acquire(a->slot, a->generation, 1), InvalidArgument);
   WriterStats s = sut->stats();
   CHECK(s.hits == 0);
   CHECK(s.aborted == 1);
@@ -176,22 +176,22 @@ TEST_CASE("bad stubs get typed errors", "[arena][faults]") {
   uint8_t v = 5;
   auto a = sut->write(&v, 1);
   REQUIRE(a);
-  SECTION("record out of range") {
+  SECTION("slot out of range") {
     CHECK_THROWS_AS(reader->acquire(2, a->generation, 1), OutOfRange);
     CHECK_THROWS_AS(reader->acquire(0xffffffffu, a->generation, 1), OutOfRange);
   }
   SECTION("stale or future generation") {
-    CHECK_THROWS_AS(reader->acquire(a->record, a->generation + 1, 1), InvalidArgument);
-    CHECK_THROWS_AS(reader->acquire(a->record, 0, 1), InvalidArgument);
+    CHECK_THROWS_AS(reader->acquire(a->slot, a->generation + 1, 1), InvalidArgument);
+    CHECK_THROWS_AS(reader->acquire(a->slot, 0, 1), InvalidArgument);
   }
   SECTION("wrong nbytes") {
-    CHECK_THROWS_AS(reader->acquire(a->record, a->generation, 2), InvalidArgument);
+    CHECK_THROWS_AS(reader->acquire(a->slot, a->generation, 2), InvalidArgument);
     CHECK(reader->held() == 0);
   }
   SECTION("released twice by the same reader") {
-    reader->acquire(a->record, a->generation, 1);
-    reader->release(a->record, a->generation);
-    CHECK_THROWS_AS(reader->acquire(a->record, a->generation, 1), InvalidArgument);
+    reader->acquire(a->slot, a->generation, 1);
+    reader->release(a->slot, a->generation);
+    CHECK_THROWS_AS(reader->acquire(a->slot, a->generation, 1), InvalidArgument);
   }
   SECTION("rank out of range and rank already held") {
     CHECK_THROWS_AS(ArenaReader::attach(sut->name(), 2, sut->region()->dir()), OutOfRange);
@@ -247,8 +247,8 @@ TEST_CASE("abort keeps the counters consistent whatever the caller passes", "[ar
   std::vector<uint8_t> buf(100, 1);
   auto a = sut->write(buf.data(), buf.size());
   REQUIRE(a);
-  Allocation stub;  // only record and generation, as a caller across a language boundary has
-  stub.record = a->record;
+  Allocation stub;  // only slot and generation, as a caller across a language boundary has
+  stub.slot = a->slot;
   stub.generation = a->generation;
   sut->abort(stub);
   WriterStats s = sut->stats();
@@ -270,8 +270,8 @@ TEST_CASE("a second writer is refused while the first lives", "[arena][faults]")
   sut->unlink();
 }
 
-TEST_CASE("a new writer takes over from a dead one and keeps published records", "[arena]") {
-  // The first writer lives in a child that publishes one record and exits.
+TEST_CASE("a new writer takes over from a dead one and keeps published slots", "[arena]") {
+  // The first writer lives in a child that publishes one slot and exits.
   int pipefd[2];
   REQUIRE(::pipe(pipefd) == 0);
   pid_t pid = ::fork();
@@ -283,7 +283,7 @@ TEST_CASE("a new writer takes over from a dead one and keeps published records",
       auto a = w->write(&v, 1);
       char name[64] = {};
       std::snprintf(name, sizeof(name), "%s", w->name().c_str());
-      uint64_t msg[2] = {a->record, a->generation};
+      uint64_t msg[2] = {a->slot, a->generation};
       rc = (::write(pipefd[1], name, sizeof(name)) == sizeof(name) &&
             ::write(pipefd[1], msg, sizeof(msg)) == sizeof(msg))
                ? 0
@@ -309,7 +309,7 @@ TEST_CASE("a new writer takes over from a dead one and keeps published records",
   uint8_t v = 1;
   auto b = sut->write(&v, 1);
   REQUIRE(b);
-  CHECK(b->record != msg[0]);
+  CHECK(b->slot != msg[0]);
   CHECK(b->generation > msg[1]);
 }
 
@@ -367,14 +367,14 @@ TEST_CASE("a full shm filesystem declines writes instead of SIGBUS", "[arena][fa
   }
   CHECK(saw_no_space);
   CHECK(declined(sut->stats(), DeclineReason::kNoSpace) >= 1);
-  // The record written before is intact.
-  const uint8_t* p = reader->acquire(first->record, first->generation, buf.size());
+  // The slot written before is intact.
+  const uint8_t* p = reader->acquire(first->slot, first->generation, buf.size());
   CHECK(std::memcmp(p, buf.data(), buf.size()) == 0);
 }
 
 namespace {
 
-// Forks a reader that attaches `rank`, acquires every record listed in the pipe, reports
+// Forks a reader that attaches `rank`, acquires every slot listed in the pipe, reports
 // "holding" and then sleeps until killed.
 pid_t fork_holding_reader(const std::string& name, uint32_t rank, const Allocation& a,
                           int ready_fd) {
@@ -382,7 +382,7 @@ pid_t fork_holding_reader(const std::string& name, uint32_t rank, const Allocati
   if (pid == 0) {
     try {
       auto r = ArenaReader::attach(name, rank);
-      r->acquire(a.record, a.generation, a.nbytes);
+      r->acquire(a.slot, a.generation, a.nbytes);
       char c = 'h';
       if (::write(ready_fd, &c, 1) != 1) ::_exit(2);
       for (;;) ::pause();
@@ -395,7 +395,7 @@ pid_t fork_holding_reader(const std::string& name, uint32_t rank, const Allocati
 
 }  // namespace
 
-TEST_CASE("a reader killed while holding records does not leak them", "[arena][faults]") {
+TEST_CASE("a reader killed while holding slots does not leak them", "[arena][faults]") {
   for (bool reap : {true, false}) {
     DYNAMIC_SECTION((reap ? "reaped" : "zombie (not reaped)")) {
       auto sut = ArenaWriter::create(small_config(2, 1, 4096));
@@ -403,7 +403,7 @@ TEST_CASE("a reader killed while holding records does not leak them", "[arena][f
       uint8_t v = 1;
       auto a = sut->write(&v, 1);
       REQUIRE(a);
-      other->release_unacquired(a->record, a->generation);
+      other->release_unacquired(a->slot, a->generation);
       int fds[2];
       REQUIRE(::pipe(fds) == 0);
       pid_t pid = fork_holding_reader(sut->name(), 0, *a, fds[1]);
@@ -421,8 +421,8 @@ TEST_CASE("a reader killed while holding records does not leak them", "[arena][f
       CHECK(b.has_value());
       CHECK(sut->stats().dead_readers == 1);
       if (!reap) vsa_test::wait_child(pid);
-      // The other reader still works with the recycled record.
-      if (b) CHECK(*other->acquire(b->record, b->generation, 1) == 1);
+      // The other reader still works with the recycled slot.
+      if (b) CHECK(*other->acquire(b->slot, b->generation, 1) == 1);
       sut->unlink();
     }
   }
@@ -437,26 +437,26 @@ TEST_CASE("holdings report what each reader holds", "[arena]") {
   auto h = sut->holdings();
   REQUIRE(h.size() == 2);
   CHECK(h[0].state == ReaderState::kAttached);
-  CHECK(h[0].records_held == 1);
+  CHECK(h[0].slots_held == 1);
   CHECK(h[1].state == ReaderState::kNeverAttached);
-  CHECK(h[1].records_held == 1);
-  r0->release_unacquired(a->record, a->generation);
-  CHECK(sut->holdings()[0].records_held == 0);
+  CHECK(h[1].slots_held == 1);
+  r0->release_unacquired(a->slot, a->generation);
+  CHECK(sut->holdings()[0].slots_held == 0);
   r0->detach();
   CHECK(sut->holdings()[0].state == ReaderState::kDetached);
 }
 
 namespace {
 
-// The multi-process stress both layouts run: `n_readers` forked readers receive (record,
+// The multi-process stress both layouts run: `n_readers` forked readers receive (slot,
 // generation, nbytes, checksum) stubs over pipes, verify the bytes, and release in random
-// order while holding up to `max_hold - 1` records each; the writer writes `n_writes`
+// order while holding up to `max_hold - 1` slots each; the writer writes `n_writes`
 // payloads whose sizes `size_of` draws, retrying (never blocking inside the arena) while
 // readers hold everything. Returns how often the writer was declined.
 int run_stress(ArenaWriter& sut, uint32_t n_readers, uint32_t seed, int n_writes, uint32_t max_hold,
                size_t max_bytes, const std::function<uint64_t(std::mt19937&)>& size_of) {
   struct Stub {
-    uint64_t record, generation, nbytes, sum;
+    uint64_t slot, generation, nbytes, sum;
   };
   std::vector<pid_t> pids;
   std::vector<int> wfds;
@@ -473,22 +473,21 @@ int run_stress(ArenaWriter& sut, uint32_t n_readers, uint32_t seed, int n_writes
         std::vector<Stub> held;
         Stub s;
         while (::read(fds[0], &s, sizeof(s)) == sizeof(s) && s.generation != 0) {
-          const uint8_t* p =
-              reader->acquire(static_cast<uint32_t>(s.record), s.generation, s.nbytes);
+          const uint8_t* p = reader->acquire(static_cast<uint32_t>(s.slot), s.generation, s.nbytes);
           if (checksum(p, s.nbytes) != s.sum) ++bad;
           held.push_back(s);
           while (held.size() > rng() % max_hold) {
             size_t i = rng() % held.size();
-            // A second acquire of a held record, then both releases: the per-record count.
-            const uint8_t* q = reader->acquire(static_cast<uint32_t>(held[i].record),
+            // A second acquire of a held slot, then both releases: the per-slot count.
+            const uint8_t* q = reader->acquire(static_cast<uint32_t>(held[i].slot),
                                                held[i].generation, held[i].nbytes);
             if (checksum(q, held[i].nbytes) != held[i].sum) ++bad;
-            reader->release(static_cast<uint32_t>(held[i].record), held[i].generation);
-            reader->release(static_cast<uint32_t>(held[i].record), held[i].generation);
+            reader->release(static_cast<uint32_t>(held[i].slot), held[i].generation);
+            reader->release(static_cast<uint32_t>(held[i].slot), held[i].generation);
             held.erase(held.begin() + static_cast<long>(i));
           }
         }
-        for (auto& h : held) reader->release(static_cast<uint32_t>(h.record), h.generation);
+        for (auto& h : held) reader->release(static_cast<uint32_t>(h.slot), h.generation);
       } catch (const std::exception& e) {
         std::fprintf(stderr, "reader %u: %s\n", r, e.what());
         ::_exit(3);
@@ -512,7 +511,7 @@ int run_stress(ArenaWriter& sut, uint32_t n_readers, uint32_t seed, int n_writes
       REQUIRE(std::chrono::steady_clock::now() < deadline);
       std::this_thread::yield();
     }
-    Stub s{a->record, a->generation, n, checksum(buf.data(), n)};
+    Stub s{a->slot, a->generation, n, checksum(buf.data(), n)};
     for (int fd : wfds) REQUIRE(::write(fd, &s, sizeof(s)) == sizeof(s));
   }
   Stub done{0, 0, 0, 0};
@@ -530,7 +529,7 @@ TEST_CASE("randomized multi-process stress with checksums", "[arena][stress]") {
   const uint32_t seed = vsa_test::seed("arena stress");
   const uint64_t slot = 16 << 10;
   auto sut = ArenaWriter::create(small_config(3, 16, slot));
-  // Three readers hold at most 5 records each: 16 slots always leave one free in the end.
+  // Three readers hold at most 5 slots each: 16 slots always leave one free in the end.
   int declines = run_stress(*sut, 3, seed, 10000, 6, slot,
                             [&](std::mt19937& rng) { return rng() % (slot + 1); });
   sut->reclaim(false);
@@ -551,7 +550,7 @@ TEST_CASE("threads-in-one-process protocol variant (for ThreadSanitizer)", "[are
   for (uint32_t r = 0; r < n_readers; ++r) readers.push_back(ArenaReader::attach(sut->name(), r));
   sut->unlink();
   struct Stub {
-    uint32_t record;
+    uint32_t slot;
     uint64_t generation, nbytes, sum;
   };
   // Per-reader single-producer queues guarded by a mutex: the transport is not under test,
@@ -581,9 +580,9 @@ TEST_CASE("threads-in-one-process protocol variant (for ThreadSanitizer)", "[are
         }
         std::shuffle(got.begin(), got.end(), rng);
         for (auto& s : got) {
-          const uint8_t* p = readers[r]->acquire(s.record, s.generation, s.nbytes);
+          const uint8_t* p = readers[r]->acquire(s.slot, s.generation, s.nbytes);
           if (checksum(p, s.nbytes) != s.sum) ++bad;
-          readers[r]->release(s.record, s.generation);
+          readers[r]->release(s.slot, s.generation);
         }
       }
     });
@@ -595,7 +594,7 @@ TEST_CASE("threads-in-one-process protocol variant (for ThreadSanitizer)", "[are
     fill_pattern(buf.data(), n, static_cast<uint64_t>(i));
     std::optional<Allocation> a;
     while (!(a = sut->write(buf.data(), n))) std::this_thread::yield();
-    Stub s{a->record, a->generation, n, checksum(buf.data(), n)};
+    Stub s{a->slot, a->generation, n, checksum(buf.data(), n)};
     for (uint32_t r = 0; r < n_readers; ++r) {
       std::lock_guard<std::mutex> lock(mus[r]);
       queues[r].push_back(s);
@@ -609,12 +608,12 @@ TEST_CASE("threads-in-one-process protocol variant (for ThreadSanitizer)", "[are
 
 namespace {
 
-ArenaConfig variable_config(uint32_t n_readers, uint64_t bytes, uint32_t max_records = 64) {
+ArenaConfig variable_config(uint32_t n_readers, uint64_t bytes, uint32_t max_slots = 64) {
   ArenaConfig cfg;
   cfg.policy = PolicyKind::kVariable;
   cfg.n_readers = n_readers;
   cfg.arena_bytes = bytes;
-  cfg.max_records = max_records;
+  cfg.max_slots = max_slots;
   return cfg;
 }
 
@@ -632,10 +631,10 @@ TEST_CASE("variable arena: mixed sizes round-trip, whole region usable", "[arena
   vsa_test::fill_pattern(big.data(), big.size(), 3);
   auto whole = sut->write(big.data(), big.size());  // one tensor as large as the region
   REQUIRE(whole);
-  CHECK(std::memcmp(r1->acquire(whole->record, whole->generation, bytes), big.data(), bytes) == 0);
-  r1->release(whole->record, whole->generation);
+  CHECK(std::memcmp(r1->acquire(whole->slot, whole->generation, bytes), big.data(), bytes) == 0);
+  r1->release(whole->slot, whole->generation);
   CHECK_FALSE(sut->write(big.data(), 4096));  // r0 still holds it
-  r0->release_unacquired(whole->record, whole->generation);
+  r0->release_unacquired(whole->slot, whole->generation);
   // 25 x 2 MB + odd sizes pack into the same region once it is free.
   std::vector<Allocation> got;
   for (int i = 0; i < 25; ++i) {
@@ -644,7 +643,7 @@ TEST_CASE("variable arena: mixed sizes round-trip, whole region usable", "[arena
     got.push_back(*a);
   }
   for (auto& a : got) {
-    CHECK(checksum(r0->acquire(a.record, a.generation, a.nbytes), a.nbytes) ==
+    CHECK(checksum(r0->acquire(a.slot, a.generation, a.nbytes), a.nbytes) ==
           checksum(big.data(), a.nbytes));
   }
   WriterStats s = sut->stats();
@@ -652,7 +651,7 @@ TEST_CASE("variable arena: mixed sizes round-trip, whole region usable", "[arena
   CHECK(s.declined[static_cast<size_t>(DeclineReason::kNoFreeSlot)] == 1);
 }
 
-TEST_CASE("variable arena: record bound is a counted decline", "[arena][variable]") {
+TEST_CASE("variable arena: slot bound is a counted decline", "[arena][variable]") {
   auto sut = ArenaWriter::create(variable_config(1, 1 << 20, 2));
   auto r = ArenaReader::attach(sut->name(), 0);
   sut->unlink();
@@ -660,13 +659,13 @@ TEST_CASE("variable arena: record bound is a counted decline", "[arena][variable
   REQUIRE(sut->write(&v, 1));
   REQUIRE(sut->write(&v, 1));
   CHECK_FALSE(sut->write(&v, 1));
-  CHECK(sut->stats().declined[static_cast<size_t>(DeclineReason::kNoRecord)] == 1);
+  CHECK(sut->stats().declined[static_cast<size_t>(DeclineReason::kSlotTableFull)] == 1);
 }
 
 TEST_CASE("variable arena: randomized multi-process stress, random release order",
           "[arena][variable][stress]") {
   const uint32_t seed = vsa_test::seed("variable stress");
-  // Readers hold up to 7 records each (21 distinct at worst, of up to 2 MiB): the region
+  // Readers hold up to 7 slots each (21 distinct at worst, of up to 2 MiB): the region
   // must fit that, or the writer waits for releases that wait for the writer.
   const uint64_t bytes = 48 << 20;
   const size_t big = 2 << 20;
@@ -714,7 +713,7 @@ TEST_CASE("loans: fill in place, send without a copy, lifetime rules", "[arena][
     auto a = sut->lend(3 << 20);
     REQUIRE(a);
     CHECK_FALSE(sut->lend(2 << 20));  // 3 of 4 MiB lent
-    sut->end_loan(a->record, a->generation);
+    sut->end_loan(a->slot, a->generation);
     CHECK(sut->lend(4 << 20).has_value());
     CHECK(sut->stats().loans_returned == 1);
   }
@@ -726,16 +725,16 @@ TEST_CASE("loans: fill in place, send without a copy, lifetime rules", "[arena][
     REQUIRE(ref);
     CHECK(ref->offset == 4096);
     CHECK_FALSE(ref->published);
-    REQUIRE(sut->publish_loan(ref->record, ref->generation));
-    const uint8_t* p = r->acquire(ref->record, ref->generation, 8192, 4096);
+    REQUIRE(sut->publish_loan(ref->slot, ref->generation));
+    const uint8_t* p = r->acquire(ref->slot, ref->generation, 8192, 4096);
     CHECK(p - r->region()->data() == a->data - sut->region()->data() + 4096);
     CHECK(p[0] == 0x42);
-    r->release(ref->record, ref->generation);
+    r->release(ref->slot, ref->generation);
     sut->reclaim(false);
     CHECK(sut->stats().in_use == 1);  // readers let go, but the writer's view is alive
     // A second send of the same loan is refused (the caller copies instead).
-    CHECK_FALSE(sut->publish_loan(ref->record, ref->generation));
-    sut->end_loan(ref->record, ref->generation);
+    CHECK_FALSE(sut->publish_loan(ref->slot, ref->generation));
+    sut->end_loan(ref->slot, ref->generation);
     sut->reclaim(false);
     CHECK(sut->stats().in_use == 0);
     CHECK(sut->stats().loans_sent == 1);
@@ -758,22 +757,22 @@ TEST_CASE("debug checksums catch a payload changed before release", "[arena]") {
   std::vector<uint8_t> buf(1 << 20, 9);
   auto a = sut->write(buf.data(), buf.size());
   REQUIRE(a);
-  r0->acquire(a->record, a->generation, buf.size());
-  uint8_t* p = const_cast<uint8_t*>(r1->acquire(a->record, a->generation, buf.size()));
-  r0->release(a->record, a->generation);
+  r0->acquire(a->slot, a->generation, buf.size());
+  uint8_t* p = const_cast<uint8_t*>(r1->acquire(a->slot, a->generation, buf.size()));
+  r0->release(a->slot, a->generation);
   CHECK(r0->checksum_mismatches() == 0);
   p[12345] ^= 1;  // reader 1 writes in place
-  r1->release(a->record, a->generation);
+  r1->release(a->slot, a->generation);
   CHECK(r1->checksum_mismatches() == 1);
   sut->set_debug_checksum(false);
   auto b = sut->write(buf.data(), buf.size());
-  r1->acquire(b->record, b->generation, buf.size());
-  r1->release(b->record, b->generation);
+  r1->acquire(b->slot, b->generation, buf.size());
+  r1->release(b->slot, b->generation);
   CHECK(r1->checksum_mismatches() == 1);  // off: not checked
 }
 
 // ---------------------------------------------------------------------------------------
-// Safety: a live reader's record is never recycled, whatever the writer can or cannot see of
+// Safety: a live reader's slot is never recycled, whatever the writer can or cannot see of
 // it; nothing in shared memory can move a process outside its mappings.
 
 namespace {
@@ -811,7 +810,7 @@ bool attach_and_hold(const std::string& name, const std::string& dir, const Allo
                      int ready_fd, std::shared_ptr<ArenaReader>* out) {
   try {
     auto r = ArenaReader::attach(name, 0, dir);
-    const uint8_t* p = r->acquire(a.record, a.generation, a.nbytes);
+    const uint8_t* p = r->acquire(a.slot, a.generation, a.nbytes);
     if (a.nbytes > 0 && *p != kHeldByte) return false;
     *out = r;
     return ::write(ready_fd, "h", 1) == 1;
@@ -895,7 +894,7 @@ TEST_CASE("a writer out of file descriptors never declares a live reader dead",
     ::setrlimit(RLIMIT_NOFILE, &rl);
     while (::dup(0) >= 0) {
     }
-    // The reader lives: its record must not be recycled, EMFILE or not.
+    // The reader lives: its slot must not be recycled, EMFILE or not.
     int rc = write_within(*sut, 20) ? 5 : 0;
     if (sut->stats().dead_readers != 0) rc = 6;
     ::kill(r, SIGKILL);
@@ -907,7 +906,7 @@ TEST_CASE("a writer out of file descriptors never declares a live reader dead",
   INFO("writer child status " << st);
 }
 
-TEST_CASE("a reader whose main thread exited keeps its records", "[arena][liveness]") {
+TEST_CASE("a reader whose main thread exited keeps its slots", "[arena][liveness]") {
   vsa_test::TempDir dir;
   auto sut = ArenaWriter::create(one_slot(dir.path()));
   auto a = write_held_byte(*sut);
@@ -1018,11 +1017,11 @@ TEST_CASE("a forked child never releases its parent's holds", "[arena][fork]") {
   std::vector<uint8_t> src(4096, 7);
   auto a = sut->write(src.data(), src.size());
   REQUIRE(a);
-  const uint8_t* p = reader->acquire(a->record, a->generation, src.size());
+  const uint8_t* p = reader->acquire(a->slot, a->generation, src.size());
   pid_t child = ::fork();
   if (child == 0) {
     // What the child's copies do when they die: release, detach, destroy.
-    reader->release(a->record, a->generation);
+    reader->release(a->slot, a->generation);
     reader->detach();
     reader.reset();
     ::_exit(0);
@@ -1030,7 +1029,7 @@ TEST_CASE("a forked child never releases its parent's holds", "[arena][fork]") {
   REQUIRE(vsa_test::exited_ok(vsa_test::wait_child(child)));
   CHECK_FALSE(write_within(*sut, 20).has_value());  // still held by this process
   CHECK(std::memcmp(p, src.data(), src.size()) == 0);
-  reader->release(a->record, a->generation);
+  reader->release(a->slot, a->generation);
   CHECK(write_within(*sut, 20).has_value());
 }
 
@@ -1062,7 +1061,7 @@ TEST_CASE("tables are reserved at creation: a full tmpfs never raises SIGBUS", "
     VSA_SKIP("mounting a small tmpfs needs root (CAP_SYS_ADMIN)");
     return;
   }
-  // Tables span many pages: 1024 records x 64 B, 4 readers' release blocks of 8 KiB.
+  // Tables span many pages: 1024 slots x 64 B, 4 readers' release blocks of 8 KiB.
   ArenaConfig cfg = variable_config(4, 8 << 20, 1024);
   cfg.dir = small.path();
   auto sut = ArenaWriter::create(cfg);
@@ -1094,9 +1093,9 @@ TEST_CASE("tables are reserved at creation: a full tmpfs never raises SIGBUS", "
 
 namespace {
 
-RecordMeta* meta_of(ArenaWriter& w, uint32_t record) {
+SlotMeta* meta_of(ArenaWriter& w, uint32_t slot) {
   auto* h = reinterpret_cast<ArenaHeader*>(w.region()->data());
-  return reinterpret_cast<RecordMeta*>(w.region()->data() + h->records_offset) + record;
+  return reinterpret_cast<SlotMeta*>(w.region()->data() + h->slots_offset) + slot;
 }
 
 // Runs `f` in a child; its exit status (crashes show as signals instead of exit 0).
@@ -1127,48 +1126,48 @@ TEST_CASE("corrupted shared memory gives typed errors, never an access outside t
   auto a = sut->write(src.data(), src.size());
   REQUIRE(a);
   auto* h = reinterpret_cast<ArenaHeader*>(sut->region()->data());
-  RecordMeta* m = meta_of(*sut, a->record);
+  SlotMeta* m = meta_of(*sut, a->slot);
 
   SECTION("an offset past the end of the region (the bound check must not wrap)") {
     m->offset = h->region_bytes + 4096;
     m->capacity = 4096;
     m->nbytes = 16;
-    CHECK_THROWS_AS(reader->acquire(a->record, a->generation, 16), InvalidArgument);
+    CHECK_THROWS_AS(reader->acquire(a->slot, a->generation, 16), InvalidArgument);
   }
   SECTION("a header rewritten after attach is never re-read") {
     // (Run in this process: a forked child may not use its parent's reader. Before the
     // geometry was kept privately, this crashed the test binary.)
-    h->max_records = kMaxRecords;
-    h->records_offset = 1ull << 40;
+    h->max_slots = kMaxSlots;
+    h->slots_offset = 1ull << 40;
     h->releases_offset = 1ull << 41;
     h->data_offset = 1ull << 42;
-    const uint8_t* p = reader->acquire(a->record, a->generation, src.size());
+    const uint8_t* p = reader->acquire(a->slot, a->generation, src.size());
     CHECK(std::memcmp(p, src.data(), src.size()) == 0);
-    reader->release(a->record, a->generation);
+    reader->release(a->slot, a->generation);
     CHECK_THROWS_AS(reader->acquire(5000, 1, 1), OutOfRange);
   }
-  SECTION("a held record keeps the metadata it was validated with") {
-    reader->acquire(a->record, a->generation, 16);
+  SECTION("a held slot keeps the metadata it was validated with") {
+    reader->acquire(a->slot, a->generation, 16);
     m->nbytes = 1ull << 40;
     m->offset = 0;
-    CHECK_THROWS_AS(reader->acquire(a->record, a->generation, 1 << 20), InvalidArgument);
-    const uint8_t* p = reader->acquire(a->record, a->generation, src.size());
+    CHECK_THROWS_AS(reader->acquire(a->slot, a->generation, 1 << 20), InvalidArgument);
+    const uint8_t* p = reader->acquire(a->slot, a->generation, src.size());
     CHECK(std::memcmp(p, src.data(), src.size()) == 0);
   }
   SECTION("debug checksums at release use the held copy") {
     sut->set_debug_checksum(true);
     auto b = sut->write(src.data(), src.size());
     REQUIRE(b);
-    RecordMeta* mb = meta_of(*sut, b->record);
-    reader->acquire(b->record, b->generation, src.size());
+    SlotMeta* mb = meta_of(*sut, b->slot);
+    reader->acquire(b->slot, b->generation, src.size());
     mb->offset = 1ull << 50;
     mb->nbytes = 1ull << 40;
-    reader->release(b->record, b->generation);
+    reader->release(b->slot, b->generation);
     CHECK(reader->checksum_mismatches() == 0);
   }
 }
 
-TEST_CASE("a takeover over corrupted records stays inside the mapping", "[arena][faults]") {
+TEST_CASE("a takeover over corrupted slots stays inside the mapping", "[arena][faults]") {
   vsa_test::TempDir dir;
   int p[2];
   REQUIRE(::pipe(p) == 0);
@@ -1179,10 +1178,10 @@ TEST_CASE("a takeover over corrupted records stays inside the mapping", "[arena]
     auto w = ArenaWriter::create(cfg);
     uint8_t v = 1;
     for (int i = 0; i < 3; ++i) w->write(&v, 1);
-    RecordMeta* m0 = meta_of(*w, 0);
+    SlotMeta* m0 = meta_of(*w, 0);
     m0->offset = ~0ull - 100;  // wraps if added to anything
     m0->capacity = 1ull << 30;
-    RecordMeta* m1 = meta_of(*w, 1);
+    SlotMeta* m1 = meta_of(*w, 1);
     m1->capacity = 1ull << 40;  // runs past the region
     std::string name = w->name();
     if (::write(p[1], name.data(), name.size()) != static_cast<ssize_t>(name.size())) ::_exit(2);
@@ -1202,7 +1201,7 @@ TEST_CASE("a takeover over corrupted records stays inside the mapping", "[arena]
       auto a = w->write(big.data(), big.size());
       if (a) w->abort(*a);
     }
-    return w->stats().in_use <= 1 ? 0 : 1;  // only the intact record 2 is still published
+    return w->stats().in_use <= 1 ? 0 : 1;  // only the intact slot 2 is still published
   });
   INFO("takeover child status " << st);
   CHECK(vsa_test::exited_ok(st));
@@ -1233,20 +1232,20 @@ ArenaHeader* header_of(ArenaWriter& w) {
   return reinterpret_cast<ArenaHeader*>(w.region()->data());
 }
 
-// Reader `rank`'s release flag for `record`, through any mapping of the segment.
-std::atomic<uint64_t>* release_flag(uint8_t* base, uint32_t rank, uint32_t record) {
+// Reader `rank`'s release flag for `slot`, through any mapping of the segment.
+std::atomic<uint64_t>* release_flag(uint8_t* base, uint32_t rank, uint32_t slot) {
   auto* h = reinterpret_cast<ArenaHeader*>(base);
   return reinterpret_cast<std::atomic<uint64_t>*>(base + h->releases_offset +
                                                   uint64_t{rank} * h->releases_stride) +
-         record;
+         slot;
 }
 
-RecordMeta* record_at(uint8_t* base, uint32_t record) {
+SlotMeta* slot_at(uint8_t* base, uint32_t slot) {
   auto* h = reinterpret_cast<ArenaHeader*>(base);
-  return reinterpret_cast<RecordMeta*>(base + h->records_offset) + record;
+  return reinterpret_cast<SlotMeta*>(base + h->slots_offset) + slot;
 }
 
-// A writer in a child publishes `writes` one-byte records (none released) and dies as a
+// A writer in a child publishes `writes` one-byte slots (none released) and dies as a
 // crashed writer would. Returns the arena's name; `gens` gets the generations handed out.
 std::string crashed_writer(const std::string& dir, int writes, std::vector<uint64_t>* gens) {
   int p[2];
@@ -1298,8 +1297,8 @@ TEST_CASE("a peer rewriting the shared generation counter changes nothing the wr
     auto a = sut->write(&v, 1);
     REQUIRE(a);
     gens.push_back(a->generation);
-    reader->acquire(a->record, a->generation, 1);
-    reader->release(a->record, a->generation);
+    reader->acquire(a->slot, a->generation, 1);
+    reader->release(a->slot, a->generation);
     h->next_generation.store(peer);  // the peer's write
   }
   auto last = sut->write(&v, 1);
@@ -1307,12 +1306,12 @@ TEST_CASE("a peer rewriting the shared generation counter changes nothing the wr
   gens.push_back(last->generation);
   for (size_t i = 0; i < gens.size(); ++i) CHECK(gens[i] == i + 1);
   // The stub of the previous use of the slot stays stale.
-  CHECK_THROWS_AS(reader->acquire(last->record, gens[gens.size() - 2], 1), InvalidArgument);
-  CHECK(reader->acquire(last->record, last->generation, 1) != nullptr);
-  reader->release(last->record, last->generation);
+  CHECK_THROWS_AS(reader->acquire(last->slot, gens[gens.size() - 2], 1), InvalidArgument);
+  CHECK(reader->acquire(last->slot, last->generation, 1) != nullptr);
+  reader->release(last->slot, last->generation);
 }
 
-TEST_CASE("a takeover continues above every generation any record or release flag shows",
+TEST_CASE("a takeover continues above every generation any slot or release flag shows",
           "[arena][faults]") {
   vsa_test::TempDir dir;
   std::vector<uint64_t> gens;
@@ -1339,14 +1338,14 @@ TEST_CASE("a takeover continues above every generation any record or release fla
     h->next_generation.store(1ull << 60);
     takes_over_above(3);
   }
-  SECTION("a freed record's release flag above every published generation") {
-    record_at(base, 3)->published_gen.store(0);
+  SECTION("a freed slot's release flag above every published generation") {
+    slot_at(base, 3)->published_gen.store(0);
     release_flag(base, 0, 3)->store(1000);
     h->next_generation.store(2);
     takes_over_above(1000);
   }
-  SECTION("a live record above the shared counter") {
-    record_at(base, 2)->published_gen.store(5000);
+  SECTION("a live slot above the shared counter") {
+    slot_at(base, 2)->published_gen.store(5000);
     h->next_generation.store(4);
     takes_over_above(5000);
   }
@@ -1358,7 +1357,7 @@ TEST_CASE("generations stay below 2^44", "[arena][faults]") {
   const std::string name = crashed_writer(dir.path(), 2, &gens);
   auto peer = ShmRegion::attach(name, dir.path());
   SECTION("the last generation is handed out, then every allocation declines") {
-    record_at(peer->data(), 1)->published_gen.store(kGenerationLimit - 2);
+    slot_at(peer->data(), 1)->published_gen.store(kGenerationLimit - 2);
     auto sut = ArenaWriter::attach(name, dir.path());
     sut->unlink();
     uint8_t v = 3;
@@ -1367,22 +1366,22 @@ TEST_CASE("generations stay below 2^44", "[arena][faults]") {
     CHECK(a->generation == kGenerationLimit - 1);
     CHECK_FALSE(sut->write(&v, 1).has_value());
     CHECK_FALSE(sut->lend(1).has_value());
-    CHECK(declined(sut->stats(), DeclineReason::kNoRecord) == 2);
+    CHECK(declined(sut->stats(), DeclineReason::kSlotTableFull) == 2);
   }
   SECTION("a takeover with no generation left is refused") {
-    record_at(peer->data(), 1)->published_gen.store(kGenerationLimit - 1);
+    slot_at(peer->data(), 1)->published_gen.store(kGenerationLimit - 1);
     CHECK_THROWS_AS(ArenaWriter::attach(name, dir.path()), InvalidArgument);
     CHECK(::access((dir.path() + "/" + name).c_str(), F_OK) == 0);  // left as it was
     CHECK(probe_token(peer->fd(), kWriterTokenByte) == Liveness::kDead);
   }
   SECTION("readers never accept a generation out of range, whatever shared memory says") {
     auto reader = ArenaReader::attach(name, 0, dir.path());
-    record_at(peer->data(), 1)->published_gen.store(1ull << 60);
+    slot_at(peer->data(), 1)->published_gen.store(1ull << 60);
     CHECK(reader->published_generation(1) == 0);
     CHECK_THROWS_AS(reader->acquire(1, 1ull << 60, 1), InvalidArgument);
     reader->release_unacquired(1, 1ull << 60);  // a no-op
     CHECK(release_flag(peer->data(), 0, 1)->load() == 0);
-    // A writer taking over ignores the garbage generation: the record is not in use.
+    // A writer taking over ignores the garbage generation: the slot is not in use.
     auto sut = ArenaWriter::attach(name, dir.path());
     sut->unlink();
     uint8_t v = 4;

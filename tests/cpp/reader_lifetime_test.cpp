@@ -42,11 +42,11 @@ ArenaConfig fixed_config(uint32_t n_readers, uint32_t num_slots, uint64_t slot_b
   return cfg;
 }
 
-ArenaConfig variable_config(uint64_t arena_bytes, uint32_t max_records) {
+ArenaConfig variable_config(uint64_t arena_bytes, uint32_t max_slots) {
   ArenaConfig cfg;
   cfg.policy = PolicyKind::kVariable;
   cfg.arena_bytes = arena_bytes;
-  cfg.max_records = max_records;
+  cfg.max_slots = max_slots;
   return cfg;
 }
 
@@ -67,7 +67,7 @@ struct Arena {
     REQUIRE(a.has_value());
     return *a;
   }
-  uint32_t held_by(uint32_t rank) const { return writer->holdings().at(rank).records_held; }
+  uint32_t held_by(uint32_t rank) const { return writer->holdings().at(rank).slots_held; }
   ReaderState state_of(uint32_t rank) const { return writer->holdings().at(rank).state; }
 };
 
@@ -91,15 +91,14 @@ uint64_t offset_of(const ReaderHolds& holds, const uint8_t* p) {
 TEST_CASE("release tokens round-trip at their limits", "[reader_lifetime][token]") {
   const uint32_t max_slot = (uint32_t{1} << kTokenSlotBits) - 1;
   const uint64_t max_gen = kTokenGenerationLimit - 1;
-  const std::vector<std::pair<uint32_t, uint64_t>> cases = {
-      {0, 0},
-      {0, 1},
-      {1, 0},
-      {max_slot, 1},
-      {0, max_gen},
-      {max_slot, max_gen},
-      {12345, 1ull << 43},
-      {kMaxRecords - 1, kGenerationLimit - 1}};
+  const std::vector<std::pair<uint32_t, uint64_t>> cases = {{0, 0},
+                                                            {0, 1},
+                                                            {1, 0},
+                                                            {max_slot, 1},
+                                                            {0, max_gen},
+                                                            {max_slot, max_gen},
+                                                            {12345, 1ull << 43},
+                                                            {kMaxSlots - 1, kGenerationLimit - 1}};
   for (const auto& [slot, gen] : cases) {
     const uint64_t token = encode_release_token(slot, gen);
     const ReleaseRef ref = decode_release_token(token);
@@ -133,21 +132,21 @@ TEST_CASE("acquire refuses a stub no token can carry before holding anything",
   ReaderHolds sut(arena.attach(0), 0);
   arena.writer->unlink();
   const Allocation a = arena.write(100);
-  CHECK_THROWS_AS(sut.acquire(a.record, kTokenGenerationLimit, 100, 0, false), InvalidArgument);
-  CHECK_THROWS_AS(sut.acquire(a.record, kTokenGenerationLimit + a.generation, 100, 0, false),
+  CHECK_THROWS_AS(sut.acquire(a.slot, kTokenGenerationLimit, 100, 0, false), InvalidArgument);
+  CHECK_THROWS_AS(sut.acquire(a.slot, kTokenGenerationLimit + a.generation, 100, 0, false),
                   InvalidArgument);
   CHECK(sut.core().held() == 0);
   CHECK(arena.held_by(0) == 1);  // still published and unreleased: nothing was taken or given
   // The argument checks, each before anything is held, in the order the bindings raised them.
   CHECK_THROWS_AS(sut.acquire(2, a.generation, 100, 0, false), OutOfRange);
-  CHECK_THROWS_AS(sut.acquire(a.record, a.generation, (64 << 10) + 1, 0, false), InvalidArgument);
-  CHECK_THROWS_AS(sut.acquire(a.record, a.generation, 1, (64 << 10) + 1, false), InvalidArgument);
+  CHECK_THROWS_AS(sut.acquire(a.slot, a.generation, (64 << 10) + 1, 0, false), InvalidArgument);
+  CHECK_THROWS_AS(sut.acquire(a.slot, a.generation, 1, (64 << 10) + 1, false), InvalidArgument);
   CHECK(sut.core().held() == 0);
   // Generation 0: whatever the slot holds now.
-  ReaderHolds::Hold h = sut.acquire(a.record, 0, 100, 0, false);
+  ReaderHolds::Hold h = sut.acquire(a.slot, 0, 100, 0, false);
   CHECK(h.generation == a.generation);
   CHECK(std::memcmp(h.data, arena.buf.data(), 100) == 0);
-  sut.freed(a.record, h.generation, h.gated);
+  sut.freed(a.slot, h.generation, h.gated);
   CHECK(sut.core().held() == 0);
 }
 
@@ -178,7 +177,7 @@ TEST_CASE("without a CUDA runtime a reader is never pinned, and releases at once
   ReaderHolds sut(arena.attach(0), 0);
   arena.writer->unlink();
   const Allocation a = arena.write(kMiB);
-  ReaderHolds::Hold h = sut.acquire(a.record, a.generation, kMiB, 0, /*dma=*/true);
+  ReaderHolds::Hold h = sut.acquire(a.slot, a.generation, kMiB, 0, /*dma=*/true);
   CHECK_FALSE(h.gated);
   ReaderHoldsStats s = sut.stats();
   CHECK(s.held == 1);
@@ -186,16 +185,16 @@ TEST_CASE("without a CUDA runtime a reader is never pinned, and releases at once
   CHECK_FALSE(s.pin_failed);  // nothing failed: there is nothing to pin with
   CHECK_FALSE(s.pin_no_space);
   CHECK(s.pending_releases == 0);
-  sut.freed(a.record, a.generation, h.gated);
+  sut.freed(a.slot, a.generation, h.gated);
   CHECK(sut.core().held() == 0);
   CHECK(arena.held_by(0) == 0);
 
   // The decision stands for the reader's lifetime, even once a runtime could be found.
   env.set(FakeCudart::path());
   const Allocation b = arena.write(kMiB, 2);
-  h = sut.acquire(b.record, b.generation, kMiB, 0, true);
+  h = sut.acquire(b.slot, b.generation, kMiB, 0, true);
   CHECK_FALSE(h.gated);
-  sut.freed(b.record, b.generation, h.gated);
+  sut.freed(b.slot, b.generation, h.gated);
   CHECK(sut.flush_releases(kStream) == 0);
   CHECK(fake.calls() == 0);
   CHECK_FALSE(sut.is_pinned(offset_of(sut, h.data), kMiB));
@@ -207,17 +206,17 @@ TEST_CASE("a reader without a CUDA context never looks for the runtime", "[reade
   ReaderHolds sut(arena.attach(0), 0);
   arena.writer->unlink();
   const Allocation a = arena.write(kMiB);
-  ReaderHolds::Hold h = sut.acquire(a.record, a.generation, kMiB, 0, /*dma=*/false);
+  ReaderHolds::Hold h = sut.acquire(a.slot, a.generation, kMiB, 0, /*dma=*/false);
   CHECK_FALSE(h.gated);
-  sut.freed(a.record, a.generation, h.gated);
+  sut.freed(a.slot, a.generation, h.gated);
   CHECK(sut.core().held() == 0);
   CHECK(sut.flush_releases(kStream) == 0);
   CHECK(rt.fake.calls() == 0);
   // An empty range is not pinned either (nothing to copy).
   const Allocation b = arena.write(0, 2);
-  h = sut.acquire(b.record, b.generation, 0, 0, true);
+  h = sut.acquire(b.slot, b.generation, 0, 0, true);
   CHECK_FALSE(h.gated);
-  sut.freed(b.record, b.generation, h.gated);
+  sut.freed(b.slot, b.generation, h.gated);
   CHECK(rt.fake.calls() == 0);
 }
 
@@ -230,8 +229,7 @@ TEST_CASE("fixed slots pin in chunks of whole slots", "[reader_lifetime][pin]") 
   std::vector<Allocation> all;
   for (uint64_t i = 0; i < 4; ++i) all.push_back(arena.write(kMiB, i));
   std::vector<ReaderHolds::Hold> holds;
-  for (const Allocation& a : all)
-    holds.push_back(sut.acquire(a.record, a.generation, kMiB, 0, true));
+  for (const Allocation& a : all) holds.push_back(sut.acquire(a.slot, a.generation, kMiB, 0, true));
   for (const auto& h : holds) CHECK(h.gated);
   CHECK(rt.fake.register_calls() == 2);
   CHECK(rt.fake.registered_ranges() == 2);
@@ -244,7 +242,7 @@ TEST_CASE("fixed slots pin in chunks of whole slots", "[reader_lifetime][pin]") 
   CHECK(s.pinned_bytes == 4 * kMiB);
   CHECK(s.pin_registrations == 2);
   CHECK_FALSE(s.pin_failed);
-  for (size_t i = 0; i < all.size(); ++i) sut.freed(all[i].record, holds[i].generation, true);
+  for (size_t i = 0; i < all.size(); ++i) sut.freed(all[i].slot, holds[i].generation, true);
   CHECK(sut.flush_releases(kStream) == 4);  // the fake's events complete at once
   CHECK(sut.core().held() == 0);
 }
@@ -255,12 +253,12 @@ TEST_CASE("fixed slots pin the whole data region at once by default", "[reader_l
   ReaderHolds sut(arena.attach(0), 0);
   arena.writer->unlink();
   const Allocation a = arena.write(kMiB);
-  ReaderHolds::Hold h = sut.acquire(a.record, a.generation, kMiB, 0, true);
+  ReaderHolds::Hold h = sut.acquire(a.slot, a.generation, kMiB, 0, true);
   CHECK(h.gated);
   CHECK(rt.fake.register_calls() == 1);
   CHECK(rt.fake.registered_bytes() == 3 * kMiB);
   CHECK(sut.is_pinned(sut.core().data_offset(), 3 * kMiB));
-  sut.freed(a.record, h.generation, true);
+  sut.freed(a.slot, h.generation, true);
   CHECK(sut.flush_releases(kStream) == 1);
 }
 
@@ -271,15 +269,15 @@ TEST_CASE("a variable-size arena pins its data region as one chunk", "[reader_li
   arena.writer->unlink();
   const Allocation a = arena.write(3 * kMiB);
   const Allocation b = arena.write(kMiB + 5, 2);
-  ReaderHolds::Hold ha = sut.acquire(a.record, a.generation, 3 * kMiB, 0, true);
-  ReaderHolds::Hold hb = sut.acquire(b.record, b.generation, kMiB + 5, 0, true);
+  ReaderHolds::Hold ha = sut.acquire(a.slot, a.generation, 3 * kMiB, 0, true);
+  ReaderHolds::Hold hb = sut.acquire(b.slot, b.generation, kMiB + 5, 0, true);
   CHECK((ha.gated && hb.gated));
   CHECK(rt.fake.register_calls() == 1);
   CHECK(rt.fake.registered_ranges() == 1);
   CHECK(rt.fake.registered_bytes() == sut.core().data_bytes());
   CHECK(sut.core().data_bytes() == 8 * kMiB);
-  sut.freed(a.record, ha.generation, true);
-  sut.freed(b.record, hb.generation, true);
+  sut.freed(a.slot, ha.generation, true);
+  sut.freed(b.slot, hb.generation, true);
   CHECK(sut.flush_releases(kStream) == 2);
 }
 
@@ -292,9 +290,9 @@ TEST_CASE("a failed registration leaves the reader unpinned, releasing at once",
   arena.writer->unlink();
   for (uint64_t i = 0; i < 3; ++i) {
     const Allocation a = arena.write(kMiB, i);
-    ReaderHolds::Hold h = sut.acquire(a.record, a.generation, kMiB, 0, true);
+    ReaderHolds::Hold h = sut.acquire(a.slot, a.generation, kMiB, 0, true);
     CHECK_FALSE(h.gated);
-    sut.freed(a.record, h.generation, h.gated);
+    sut.freed(a.slot, h.generation, h.gated);
     CHECK(sut.core().held() == 0);
   }
   CHECK(rt.fake.register_calls() == 1);  // tried once, never retried
@@ -326,7 +324,7 @@ TEST_CASE("a data region the shm filesystem cannot back is never pinned (pin_no_
     while (want > 0 && ::fallocate(fd, 0, 0, want) != 0) want -= 64 << 10;
     ::close(fd);
   }
-  ReaderHolds::Hold h = sut.acquire(a.record, a.generation, 4 * kMiB, 0, true);
+  ReaderHolds::Hold h = sut.acquire(a.slot, a.generation, 4 * kMiB, 0, true);
   CHECK_FALSE(h.gated);
   CHECK(std::memcmp(h.data, arena.buf.data(), 4 * kMiB) == 0);
   ReaderHoldsStats s = sut.stats();
@@ -334,7 +332,7 @@ TEST_CASE("a data region the shm filesystem cannot back is never pinned (pin_no_
   CHECK(s.pin_failed);
   CHECK(s.pinned_bytes == 0);
   CHECK(rt.fake.register_calls() == 0);  // never asked to fault in unbacked pages
-  sut.freed(a.record, h.generation, h.gated);
+  sut.freed(a.slot, h.generation, h.gated);
   CHECK(arena.held_by(0) == 0);  // unpinned: released at once
   CHECK(arena.writer->reclaim(false) == 1);
 }
@@ -349,10 +347,10 @@ TEST_CASE("a gated release waits for its event; an ungated one goes at once",
   ReaderHolds sut(arena.attach(0), 0);
   arena.writer->unlink();
   const Allocation a = arena.write(kMiB);
-  ReaderHolds::Hold h = sut.acquire(a.record, a.generation, kMiB, 0, true);
+  ReaderHolds::Hold h = sut.acquire(a.slot, a.generation, kMiB, 0, true);
   REQUIRE(h.gated);
   const long long calls = rt.fake.calls();
-  sut.freed(a.record, h.generation, true);
+  sut.freed(a.slot, h.generation, true);
   CHECK(rt.fake.calls() == calls);  // freed() never calls CUDA
   CHECK(sut.stats().pending_releases == 1);
   CHECK(sut.core().held() == 1);
@@ -373,9 +371,9 @@ TEST_CASE("a gated release waits for its event; an ungated one goes at once",
 
   // The same reader, a hold taken without a context: released by freed() itself.
   const Allocation b = arena.write(kMiB, 2);
-  ReaderHolds::Hold u = sut.acquire(b.record, b.generation, kMiB, 0, false);
+  ReaderHolds::Hold u = sut.acquire(b.slot, b.generation, kMiB, 0, false);
   CHECK_FALSE(u.gated);
-  sut.freed(b.record, u.generation, false);
+  sut.freed(b.slot, u.generation, false);
   CHECK(sut.core().held() == 0);
   CHECK(arena.held_by(0) == 0);
   CHECK(sut.stats().pending_releases == 0);
@@ -391,10 +389,10 @@ TEST_CASE("a reader dropped with pending gated releases lingers until a later po
   ReaderHolds other(arena.attach(1), 0, &lingering);
   arena.writer->unlink();
   const Allocation a = arena.write(kMiB);
-  ReaderHolds::Hold h = sut->acquire(a.record, a.generation, kMiB, 0, true);
+  ReaderHolds::Hold h = sut->acquire(a.slot, a.generation, kMiB, 0, true);
   REQUIRE(h.gated);
   const uint8_t* data = h.data;
-  sut->freed(a.record, h.generation, true);
+  sut->freed(a.slot, h.generation, true);
   CHECK(sut->flush_releases(kStream) == 0);  // recorded, pending
 
   sut.reset();  // the reader is dropped while the DMA may still read the slot
@@ -423,9 +421,9 @@ TEST_CASE("a dropped reader's releases freed after its last flush are never rele
   auto sut = std::make_unique<ReaderHolds>(arena.attach(0), 0, &lingering);
   arena.writer->unlink();
   const Allocation a = arena.write(kMiB);
-  ReaderHolds::Hold h = sut->acquire(a.record, a.generation, kMiB, 0, true);
+  ReaderHolds::Hold h = sut->acquire(a.slot, a.generation, kMiB, 0, true);
   REQUIRE(h.gated);
-  sut->freed(a.record, h.generation, true);  // freed, no flush: no event behind it
+  sut->freed(a.slot, h.generation, true);  // freed, no flush: no event behind it
   sut.reset();
   CHECK(lingering.size() == 1);
   rt.fake.complete_all();
@@ -443,9 +441,9 @@ TEST_CASE("a reader dropped with nothing pending unregisters and detaches at onc
   auto sut = std::make_unique<ReaderHolds>(arena.attach(0), 0, &lingering);
   arena.writer->unlink();
   const Allocation a = arena.write(kMiB);
-  ReaderHolds::Hold h = sut->acquire(a.record, a.generation, kMiB, 0, true);
+  ReaderHolds::Hold h = sut->acquire(a.slot, a.generation, kMiB, 0, true);
   REQUIRE(h.gated);
-  sut->freed(a.record, h.generation, true);
+  sut->freed(a.slot, h.generation, true);
   CHECK(sut->flush_releases(kStream) == 1);
   sut.reset();
   CHECK(lingering.size() == 0);
@@ -467,19 +465,19 @@ TEST_CASE("a forked child touches nothing of its parent's holds, pins or events"
   const Allocation a = arena.write(kMiB, 1);
   const Allocation b = arena.write(kMiB, 2);
   const Allocation c = arena.write(kMiB, 3);
-  ReaderHolds::Hold ha = sut->acquire(a.record, a.generation, kMiB, 0, true);
-  ReaderHolds::Hold hb = sut->acquire(b.record, b.generation, kMiB, 0, true);
-  ReaderHolds::Hold hc = sut->acquire(c.record, c.generation, kMiB, 0, false);
+  ReaderHolds::Hold ha = sut->acquire(a.slot, a.generation, kMiB, 0, true);
+  ReaderHolds::Hold hb = sut->acquire(b.slot, b.generation, kMiB, 0, true);
+  ReaderHolds::Hold hc = sut->acquire(c.slot, c.generation, kMiB, 0, false);
   REQUIRE((ha.gated && hb.gated && !hc.gated));
-  sut->freed(a.record, ha.generation, true);  // pending in the parent, no event yet
+  sut->freed(a.slot, ha.generation, true);  // pending in the parent, no event yet
 
   pid_t pid = ::fork();
   REQUIRE(pid >= 0);
   if (pid == 0) {
     int bad = 0;
     const long long calls = rt.fake.calls();
-    sut->freed(b.record, hb.generation, true);   // the child's copy of a pinned view dies
-    sut->freed(c.record, hc.generation, false);  // and of an unpinned one
+    sut->freed(b.slot, hb.generation, true);   // the child's copy of a pinned view dies
+    sut->freed(c.slot, hc.generation, false);  // and of an unpinned one
     if (sut->stats().pending_releases != 1) bad |= 1;
     if (sut->core().held() != 3) bad |= 2;
     if (sut->flush_releases(kStream) != 0) bad |= 4;
@@ -502,8 +500,8 @@ TEST_CASE("a forked child touches nothing of its parent's holds, pins or events"
   CHECK(arena.state_of(0) == ReaderState::kAttached);
   CHECK(sut->stats().pending_releases == 1);
   CHECK(rt.fake.is_registered(hb.data, kMiB) == 1);
-  sut->freed(b.record, hb.generation, true);
-  sut->freed(c.record, hc.generation, false);
+  sut->freed(b.slot, hb.generation, true);
+  sut->freed(c.slot, hc.generation, false);
   CHECK(sut->flush_releases(kStream) == 0);
   rt.fake.complete_all();
   CHECK(sut->flush_releases(kStream) == 2);
@@ -525,7 +523,7 @@ TEST_CASE("holds taken and freed on many threads, flushed on another",
   ReaderHolds sut(arena.attach(0), 0, &lingering);
   arena.writer->unlink();
 
-  // Every thread holds each record it is given once, checks the bytes, frees it gated or not.
+  // Every thread holds each slot it is given once, checks the bytes, frees it gated or not.
   struct Work {
     Allocation a;
     uint64_t sum;
@@ -557,11 +555,11 @@ TEST_CASE("holds taken and freed on many threads, flushed on another",
           continue;
         }
         const bool dma = rng() % 4 != 0;
-        ReaderHolds::Hold h = sut.acquire(w->a.record, w->a.generation, w->a.nbytes, 0, dma);
+        ReaderHolds::Hold h = sut.acquire(w->a.slot, w->a.generation, w->a.nbytes, 0, dma);
         if (vsa_test::checksum(h.data, w->a.nbytes) != w->sum) ++bad;
         if (h.gated) ++gated;
         if (h.gated != dma) ++bad;
-        sut.freed(w->a.record, h.generation, h.gated);
+        sut.freed(w->a.slot, h.generation, h.gated);
         ++consumed;
       }
     });
@@ -610,9 +608,9 @@ TEST_CASE("a reader dropped on one thread while another's flushes poll the linge
   ReaderHolds other(arena.attach(1), 0, &lingering);
   arena.writer->unlink();
   const Allocation a = arena.write(kMiB);
-  ReaderHolds::Hold h = dropped->acquire(a.record, a.generation, kMiB, 0, true);
+  ReaderHolds::Hold h = dropped->acquire(a.slot, a.generation, kMiB, 0, true);
   REQUIRE(h.gated);
-  dropped->freed(a.record, h.generation, true);
+  dropped->freed(a.slot, h.generation, true);
   CHECK(dropped->flush_releases(kStream) == 0);
 
   std::atomic<bool> stop{false};

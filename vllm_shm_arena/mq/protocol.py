@@ -4,7 +4,7 @@ raises when the writer is gone.
 
 A message is a list of frames::
 
-    frame 0   the arena records it references, (slot, generation) pairs as <Q (see below)
+    frame 0   the arena slots it references, (slot, generation) pairs as <Q (see below)
     frame 1   the pickle stream
     frame 2.. its out-of-band buffers (tensor bytes the arena declined)
 
@@ -80,7 +80,7 @@ def writer_died(what: str) -> WriterDiedError:
 
 
 def diverted_header(diverted: list[tuple[int, int]]) -> bytes:
-    """Frame 0 of every message: the arena records it references (released by a reader that
+    """Frame 0 of every message: the arena slots it references (released by a reader that
     fails to unpickle it)."""
     if not diverted:
         return b""
@@ -89,7 +89,7 @@ def diverted_header(diverted: list[tuple[int, int]]) -> bytes:
 
 
 def parse_diverted(frame) -> list[tuple[int, int]]:
-    """The records ``diverted_header`` wrote; ``[]`` for a frame of the wrong length."""
+    """The slots ``diverted_header`` wrote; ``[]`` for a frame of the wrong length."""
     mv = memoryview(frame).cast("B")
     if len(mv) % 16:
         return []

@@ -2,7 +2,7 @@
 blobs, the local socket, the writer's liveness) and a remote reader (the TCP socket).
 
 Both unpickle a message with stubs resolving to their own arena reader
-(``arena.resolving_stubs``); a message that fails to unpickle releases the arena records it
+(``arena.resolving_stubs``); a message that fails to unpickle releases the arena slots it
 named, so the writer is never kept waiting for them.
 """
 
@@ -55,7 +55,7 @@ def _warn_interval() -> float:
 
 def unpickle(frames: list, arena: ShmTensorArena | None) -> Any:
     """The object of a message's ``frames`` (see protocol.py); stubs resolve to ``arena``, this
-    reader's. On failure, the arena records frame 0 lists are released, then it raises."""
+    reader's. On failure, the arena slots frame 0 lists are released, then it raises."""
     try:
         if arena is None:
             return loads(frames[1], frames[2:])
@@ -63,7 +63,7 @@ def unpickle(frames: list, arena: ShmTensorArena | None) -> Any:
         with resolving_stubs(arena):
             return loads(frames[1], frames[2:])
     except BaseException:
-        # Frame 0 lists the message's arena records: parsed only on this failure path.
+        # Frame 0 lists the message's arena slots: parsed only on this failure path.
         if arena is not None and len(frames[0]):
             for slot, gen in parse_diverted(frames[0]):
                 arena.release_unacquired(slot, gen)

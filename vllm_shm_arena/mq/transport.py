@@ -165,7 +165,7 @@ class WriterSockets:
         with self.io_lock:
             self._life.check_running()  # the socket is closed (or about to be)
             n = len(frames)
-            first = self.token + bytes(frames[0])  # the token, then the arena records
+            first = self.token + bytes(frames[0])  # the token, then the arena slots
             while True:
                 try:
                     sock.send(first, (zmq.SNDMORE if n > 1 else 0) | zmq.NOBLOCK, copy=True)

@@ -362,7 +362,7 @@ class WriterEnd(End):
         """The queue cannot go on in order: no more sends, the ring shut down (readers get a
         clear error after the messages before), the sockets closed (ZeroMQ drops the half
         message), and the arena closed for writes (a reader may hold this message's
-        records: they are never reused)."""
+        slots: they are never reused)."""
         self.broken = why
         self.sockets.break_off()
         if self.ring is not None:
