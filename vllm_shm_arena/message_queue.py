@@ -6,16 +6,18 @@ One writer (the engine) sends every message to ``n_reader`` readers (the workers
   too big for a chunk leaves an "overflow" marker in the ring and travels over a local
   ZeroMQ XPUB socket bound to a path in a fresh 0700 directory inside the shm directory
   (no other user can connect), unlinked once the readers have subscribed;
-* remote readers receive everything over a TCP XPUB socket;
-* with ``enable_shm_tensor_arena=True`` and every reader node-local, large CPU tensors go into
-  a ``ShmTensorArena`` instead: one copy, read zero-copy by all readers.
+* remote readers receive everything over a TCP XPUB socket (tensor bytes out of band), each
+  subscriber declaring the reader ranks it covers; a relay (``create_relay``) covers a whole
+  remote node with one subscription and republishes into that node's own ring and arena;
+* with ``enable_shm_tensor_arena=True``, large CPU tensors go into a ``ShmTensorArena`` for the
+  node-local readers: one copy, read zero-copy by all of them.
 
 Works without vLLM; the vLLM plugin swaps it in for vLLM's own queue.
 
-This module is the facade: each role (the writer, a node-local reader, a remote reader) is
-built by its own constructor below, which gives the queue exactly that role's state and one
-end object (vllm_shm_arena/mq/) that every call delegates to. The parts never import this
-module; see vllm_shm_arena/mq/__init__.py for the map.
+This module is the facade: each role (the writer, a node-local reader, a remote reader, a
+remote node's relay) is built by its own constructor below, which gives the queue exactly that
+role's state and one end object (vllm_shm_arena/mq/) that every call delegates to. The parts
+never import this module; see vllm_shm_arena/mq/__init__.py for the map.
 """
 
 from __future__ import annotations
