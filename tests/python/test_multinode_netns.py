@@ -3,7 +3,7 @@
 node 0 with its local readers, a relay and its relayed readers on node 1. Every message
 arrives intact and in order on both nodes, both nodes' arenas are used, relayed readers hold
 tensors of node 1's arena, and the queue's port carries about one copy of the payload per
-remote node (not one per remote reader)."""
+remote node (not one per remote reader), over IPv4 and IPv6."""
 
 from __future__ import annotations
 
@@ -95,8 +95,12 @@ def _finish(p, timeout=60):
     return out
 
 
-@pytest.mark.parametrize("relayed", [[3], [3, 4]], ids=["tp4_2+2", "2+3"])
-def test_a_relay_carries_one_copy_per_node_over_the_link(relayed):
+@pytest.mark.parametrize(
+    "relayed, ipv6",
+    [([3], False), ([3, 4], False), ([3], True)],
+    ids=["tp4_2+2", "2+3", "tp4_2+2_ipv6"],
+)
+def test_a_relay_carries_one_copy_per_node_over_the_link(relayed, ipv6):
     count, size, n_local = 6, 4 * MiB, 2
     n_remote = 1 + len(relayed)
     with two_nodes_or_skip(other_link=True) as nodes:
@@ -108,7 +112,7 @@ def test_a_relay_carries_one_copy_per_node_over_the_link(relayed):
             str(n_remote),
             str(count),
             str(size),
-            nodes.addr(0),
+            nodes.addr(0, ipv6=ipv6),
             stdin=subprocess.PIPE,
         )
         relay = nodes.python(
@@ -125,6 +129,8 @@ def test_a_relay_carries_one_copy_per_node_over_the_link(relayed):
             assert len(line) == 2, writer.communicate(timeout=30)[1]
             addr, handle = line
             port = int(addr.rsplit(":", 1)[1])
+            if ipv6:
+                assert addr.startswith(f"tcp://[{nodes.addr(0, ipv6=True)}]:"), addr
             nodes.watch(port)
             before = nodes.counters()
             relay.stdin.write(handle + "\n")
