@@ -4,7 +4,7 @@ SHELL := /bin/bash
 CLANG_FORMAT := .venv/bin/clang-format
 CXX_SOURCES = $(shell find csrc tests/cpp tests/fake_cudart benchmarks -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: bootstrap bench bench-copy bench-full bench-vs-vllm test lint cpp-test py-test stress sanitize tsan asan gpu-check gpu-bundle vllm-test vllm-queue-tests serve-test format
+.PHONY: bootstrap bench bench-copy bench-full bench-vs-vllm bench-multinode test lint cpp-test py-test stress sanitize tsan asan gpu-check gpu-bundle vllm-test vllm-queue-tests serve-test format
 .PHONY: wheel compat-test install-test
 
 bootstrap:
@@ -17,6 +17,11 @@ bench: bootstrap
 # The core's copy alone (C++, no torch): memcpy vs warm and never-touched arena slots.
 bench-copy: bootstrap
 	./build/cpp/copy_bench | tee benchmarks/results/copy_bench.txt
+
+# The queue across nodes (loopback): relay off vs on, a remote node of 2 and 3 readers;
+# writes benchmarks/results/multinode/.
+bench-multinode: bootstrap
+	$(PY) benchmarks/bench_multinode.py
 
 bench-full: bootstrap
 	$(PY) benchmarks/broadcast_ab.py --full

@@ -6,16 +6,18 @@ One writer (the engine) sends every message to ``n_reader`` readers (the workers
   too big for a chunk leaves an "overflow" marker in the ring and travels over a local
   ZeroMQ XPUB socket bound to a path in a fresh 0700 directory inside the shm directory
   (no other user can connect), unlinked once the readers have subscribed;
-* remote readers receive everything over a TCP XPUB socket;
-* with ``enable_shm_tensor_arena=True`` and every reader node-local, large CPU tensors go into
-  a ``ShmTensorArena`` instead: one copy, read zero-copy by all readers.
+* remote readers receive everything over a TCP XPUB socket (tensor bytes out of band), each
+  subscriber declaring the reader ranks it covers; a relay (``create_relay``) covers a whole
+  remote node with one subscription and republishes into that node's own ring and arena;
+* with ``enable_shm_tensor_arena=True``, large CPU tensors go into a ``ShmTensorArena`` for the
+  node-local readers: one copy, read zero-copy by all of them.
 
 Works without vLLM; the vLLM plugin swaps it in for vLLM's own queue.
 
-This module is the facade: each role (the writer, a node-local reader, a remote reader) is
-built by its own constructor below, which gives the queue exactly that role's state and one
-end object (vllm_shm_arena/mq/) that every call delegates to. The parts never import this
-module; see vllm_shm_arena/mq/__init__.py for the map.
+This module is the facade: each role (the writer, a node-local reader, a remote reader, a
+remote node's relay) is built by its own constructor below, which gives the queue exactly that
+role's state and one end object (vllm_shm_arena/mq/) that every call delegates to. The parts
+never import this module; see vllm_shm_arena/mq/__init__.py for the map.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from vllm_shm_arena.mq import groups
 from vllm_shm_arena.mq.end import End
 from vllm_shm_arena.mq.protocol import Handle, WriterDiedError
 from vllm_shm_arena.mq.reader import LocalReaderEnd, RemoteReaderEnd
+from vllm_shm_arena.mq.relay import RelayEnd
 from vllm_shm_arena.mq.writer import WriterEnd, check_int
 
 __all__ = ["Handle", "MessageQueue", "WriterDiedError"]
@@ -53,11 +56,15 @@ class MessageQueue:
         connect_ip: str | None = None,
         *,
         enable_shm_tensor_arena: bool = False,
+        remote_reader_ranks: list[int] | None = None,
     ):
         """The writer. Every argument is checked before anything (ring, socket, arena) is
-        created."""
+        created. ``remote_reader_ranks``: the ranks the TCP subscribers must declare (default:
+        ``range(n_reader)`` without ``local_reader_ranks``, when that is the right count)."""
         args = (n_reader, n_local_reader, local_reader_ranks, max_chunk_bytes, max_chunks)
-        ranks, connect_ip = WriterEnd.check_args(*args, connect_ip, enable_shm_tensor_arena)
+        ranks, connect_ip, roster = WriterEnd.check_args(
+            *args, connect_ip, enable_shm_tensor_arena, remote_reader_ranks
+        )
         end = WriterEnd(
             n_reader,
             n_local_reader,
@@ -66,6 +73,7 @@ class MessageQueue:
             max_chunks,
             connect_ip,
             enable_shm_tensor_arena,
+            roster,
         )
         self._end = end
         self.handle = end.handle
@@ -89,7 +97,7 @@ class MessageQueue:
             raise ValueError(
                 f"rank {rank} is not a local reader and the queue has no remote socket"
             )
-        return MessageQueue._remote_reader(handle)
+        return MessageQueue._remote_reader(handle, rank)
 
     @classmethod
     def _local_reader(cls, handle: Handle, index: int) -> MessageQueue:
@@ -103,11 +111,58 @@ class MessageQueue:
         return self
 
     @classmethod
-    def _remote_reader(cls, handle: Handle) -> MessageQueue:
-        """A reader on another node."""
+    def _remote_reader(cls, handle: Handle, rank: int) -> MessageQueue:
+        """A reader on another node: reader ``rank``, which it declares when subscribing."""
         self = cls.__new__(cls)
-        self._end = RemoteReaderEnd(handle)
+        self._end = RemoteReaderEnd(handle, [rank])
         self.handle = handle
+        self.n_local_reader = len(handle.local_reader_ranks)
+        self.local_reader_rank = -1
+        self._is_writer, self._is_local_reader, self._is_remote_reader = False, False, True
+        return self
+
+    @staticmethod
+    def create_relay(
+        handle: Handle,
+        rank: int,
+        relayed_ranks: list[int],
+        *,
+        max_chunk_bytes: int = 16 << 20,
+        max_chunks: int = 10,
+    ) -> MessageQueue:
+        """The relay of a remote node (vllm_shm_arena/mq/relay.py): reader ``rank`` of the
+        queue ``handle`` describes, subscribing once for itself and ``relayed_ranks`` (the
+        node's other remote ranks), and the writer of a node-local queue (ring + arena) with
+        ``1 + len(relayed_ranks)`` readers: reader 0 is this relay's own ``dequeue``, readers
+        1..k join with ``create_from_handle(relay.downstream_handle, i)``, in the order of
+        ``relayed_ranks``. ``max_chunk_bytes``/``max_chunks``: the downstream ring's."""
+        if not isinstance(handle, Handle):
+            raise TypeError(f"expected a MessageQueue Handle, got {type(handle).__name__}")
+        check_int("rank", rank, 0)
+        relayed = list(relayed_ranks)
+        for r in relayed:
+            check_int("relayed_ranks[i]", r, 0)
+        if len(set([rank, *relayed])) != 1 + len(relayed):
+            raise ValueError(f"rank {rank} and relayed_ranks {relayed} must be distinct")
+        local = [r for r in (rank, *relayed) if r in handle.local_reader_ranks]
+        if local:
+            raise ValueError(f"ranks {local} are the writer's local readers, not remote ones")
+        if handle.remote_subscribe_addr is None:
+            raise ValueError("the queue has no remote socket (every reader is local)")
+        check_int("max_chunk_bytes", max_chunk_bytes, 1)
+        check_int("max_chunks", max_chunks, 1)
+        return MessageQueue._relay(handle, rank, relayed, max_chunk_bytes, max_chunks)
+
+    @classmethod
+    def _relay(
+        cls, handle: Handle, rank: int, relayed: list[int], max_chunk_bytes: int, max_chunks: int
+    ) -> MessageQueue:
+        """A remote node's relay (see ``create_relay``)."""
+        self = cls.__new__(cls)
+        end = RelayEnd(handle, rank, relayed, max_chunk_bytes, max_chunks)
+        self._end = end
+        self.handle = handle
+        self.downstream_handle = end.downstream_handle
         self.n_local_reader = len(handle.local_reader_ranks)
         self.local_reader_rank = -1
         self._is_writer, self._is_local_reader, self._is_remote_reader = False, False, True

@@ -34,6 +34,7 @@ ORDER = [
     "mq.end",
     "mq.reader",
     "mq.writer",
+    "mq.relay",
     "mq.groups",
     "message_queue",
     "vllm_plugin",

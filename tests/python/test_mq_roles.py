@@ -91,10 +91,11 @@ def test_each_end_has_only_its_roles_state(roles):
         "blob_max",
         "sockets",
         "handle",
+        "roster",
     }
     readers = common | {"handle", "last_dequeue_s", "socket"}
-    assert set(vars(local._end)) == readers | {"index", "ring", "arena", "peeked"}
-    assert set(vars(remote._end)) == readers
+    assert set(vars(local._end)) == readers | {"index", "ring", "arena", "peeked", "ended"}
+    assert set(vars(remote._end)) == readers | {"ranks"}
 
 
 def test_the_sockets_and_the_arena_are_the_ends(roles):
@@ -176,8 +177,12 @@ def test_the_writers_arguments_are_checked_before_anything_is_built(kwargs, matc
 
 
 def test_the_writers_arguments_get_their_defaults():
-    ranks, ip = WriterEnd.check_args(3, 3, None, MiB, 4, None, False)
-    assert ranks == [0, 1, 2] and ip is None
+    ranks, ip, roster = WriterEnd.check_args(3, 3, None, MiB, 4, None, False)
+    assert ranks == [0, 1, 2] and ip is None and roster.n == 0
+    _, ip, roster = WriterEnd.check_args(4, 2, [0, 1], MiB, 4, "127.0.0.1", False)
+    assert roster.expected == {2, 3}
+    _, _, roster = WriterEnd.check_args(4, 2, [3, 4], MiB, 4, "127.0.0.1", False)
+    assert roster.expected is None and roster.n == 2 and roster.local == {3, 4}
 
 
 def test_a_bad_arena_policy_fails_only_a_queue_that_asks_for_an_arena(monkeypatch):

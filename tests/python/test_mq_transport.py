@@ -16,7 +16,7 @@ from vllm_shm_arena.mq import transport
 from vllm_shm_arena.mq.lifecycle import Lifecycle
 from vllm_shm_arena.mq.protocol import WriterDiedError
 from vllm_shm_arena.mq.reporting import RateLimitedLog
-from vllm_shm_arena.mq.transport import ReaderSocket, WriterSockets
+from vllm_shm_arena.mq.transport import ReaderSocket, Roster, WriterSockets
 
 TOKEN = b"t" * 16
 
@@ -49,7 +49,8 @@ def ends():
             ro = Owner()
             tok = (reader_tokens or {}).get(i, token)
             addr, is_local = (local, True) if i < n_local else (remote, False)
-            rs.append(ReaderSocket(ro.lifecycle, tok, addr, is_local))
+            declare = None if is_local else [i - n_local]
+            rs.append(ReaderSocket(ro.lifecycle, tok, addr, is_local, declare=declare))
             made.append(ro)
         made.append(wo)
         return w, rs
@@ -71,7 +72,7 @@ def handshake(w, rs, n_local, n_remote, writer_dead=lambda: False):
     ths = [threading.Thread(target=run, args=(r,), daemon=True) for r in rs]
     for t in ths:
         t.start()
-    w.await_subscribers(n_local, n_remote, time.monotonic() + 20)
+    w.await_subscribers(n_local, Roster(n_remote), time.monotonic() + 20)
     for t in ths:
         t.join(20)
     assert not errors, errors
@@ -113,7 +114,7 @@ def test_more_subscribers_than_expected_refuse_to_start(ends):
         pass
     time.sleep(0.3)  # both subscriptions queued
     with pytest.raises(RuntimeError, match="more than the 1 expected readers"):
-        w.await_subscribers(0, 1, time.monotonic() + 10)
+        w.await_subscribers(0, Roster(1), time.monotonic() + 10)
 
 
 def test_the_handshake_times_out_without_its_readers(ends):
@@ -122,13 +123,20 @@ def test_the_handshake_times_out_without_its_readers(ends):
     w.remote.bind_to_random_port("tcp://127.0.0.1")
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="readers to subscribe"):
-        w.await_subscribers(0, 1, time.monotonic() + 0.3)
+        w.await_subscribers(0, Roster(1), time.monotonic() + 0.3)
     assert time.monotonic() - t0 < 5
 
 
+def test_a_subscriber_with_another_token_is_refused(ends):
+    w, _ = ends(n_local=0, n_remote=1, reader_tokens={0: b"x" * 16})
+    with pytest.raises(RuntimeError, match="wrong socket token"):
+        w.await_subscribers(0, Roster(1), time.monotonic() + 10)
+
+
 def test_a_reader_with_another_token_takes_nothing(ends):
-    w, rs = ends(n_local=0, n_remote=1, reader_tokens={0: b"x" * 16})
+    w, rs = ends(n_local=0, n_remote=1)
     handshake(w, rs, 0, 1)
+    rs[0].token = b"x" * 16  # the writer's messages no longer carry this reader's token
     w.send(w.remote, [b"", b"evil pickle"], None, Sending(), may_wait=True)
     with pytest.raises(RuntimeError, match="did not come from its writer"):
         rs[0].recv(time.monotonic() + 10)

@@ -4,6 +4,7 @@ Dependencies run one way, top to bottom; no part imports message_queue.py::
 
     message_queue.py   MessageQueue: vLLM's interface; builds an end per role, delegates
       groups.py        the process-group constructors (take the queue class as a parameter)
+      relay.py         RelayEnd: a remote node's relay (upstream reader, downstream writer)
       writer.py        WriterEnd: the send path, settling an interrupted send, the broken state
       reader.py        LocalReaderEnd / RemoteReaderEnd: ring, overflow, blobs, unpickling
       end.py           End: what every role shares; the calls of other roles fail there

@@ -67,6 +67,7 @@ def create_from_process_group(
     hosts = g.all_gather(socket.gethostname())
     local = [r for r in range(g.world) if r != writer_rank and hosts[r] == hosts[writer_rank]]
     n_reader = g.world - 1
+    remote = [r for r in range(g.world) if r != writer_rank and r not in local]
     if g.rank == writer_rank:
         if external_writer_handle is not None:
             mq = queue_cls.create_from_handle(external_writer_handle, g.rank)
@@ -79,6 +80,7 @@ def create_from_process_group(
                 max_chunks=max_chunks,
                 connect_ip=None if len(local) == n_reader else local_ip(),
                 enable_shm_tensor_arena=enable_shm_tensor_arena,
+                remote_reader_ranks=remote,
             )
         g.broadcast(mq.export_handle(), writer_rank)
     else:

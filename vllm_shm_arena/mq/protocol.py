@@ -12,6 +12,15 @@ It travels one of three ways: in a ring chunk (when it fits), as a ring marker n
 blob that holds all its frames (``BLOB_FLAGS``, one frame: ``BLOB_MARKER``), or as a ring
 marker (``FLAG_OVERFLOW``) announcing it on the local socket; remote readers get every message
 on their socket. On a socket, frame 0 starts with the handle's random token.
+
+A TCP subscriber declares the reader ranks it covers (a remote reader: its own; a relay: its
+node's) with a second subscription beside the one that receives everything: its topic is a
+hello (``hello_topic``: magic, protocol version, the handle's token, the ranks) that no message
+can match (every message starts with the token, a hello with the magic).
+
+A relay forwards the end of its upstream downstream as one last message, a ``StreamEnd``
+(the reason: the writer died, or the relay could not forward a message), which a node-local
+reader raises instead of returning.
 """
 
 from __future__ import annotations
@@ -35,6 +44,15 @@ TOKEN_BYTES = 16
 SHUTDOWN_FRAME = b"VSA-SHUTDOWN"
 #: The writer's first frame on every socket, once every reader subscribed.
 READY_FRAME = b"READY"
+
+#: A TCP subscriber's hello (see the module docstring): magic, version, token, rank count,
+#: then that many ranks (<I each).
+HELLO_MAGIC = b"VSA-HELLO\x00"
+HELLO_VERSION = 1
+HELLO_HEAD = struct.Struct(f"<{len(HELLO_MAGIC)}sB{TOKEN_BYTES}sH")
+HELLO_RANK = struct.Struct("<I")
+#: Most ranks one hello may declare.
+HELLO_MAX_RANKS = 4096
 
 #: The public names below live in ``vllm_shm_arena.message_queue`` (the facade re-exports
 #: them): pickles and tracebacks name them where users import them from.
@@ -95,3 +113,54 @@ def parse_diverted(frame) -> list[tuple[int, int]]:
         return []
     flat = struct.unpack(f"<{len(mv) // 8}Q", mv)
     return list(zip(flat[0::2], flat[1::2], strict=True))
+
+
+class ShutDownByWriter(RuntimeError):
+    """The writer's last frame arrived on the socket: it shut the queue down."""
+
+
+def hello_topic(token: bytes, ranks: list[int]) -> bytes:
+    """The subscription topic by which a TCP subscriber declares ``ranks``."""
+    if not ranks or len(ranks) > HELLO_MAX_RANKS:
+        raise ValueError(f"a subscriber declares 1..{HELLO_MAX_RANKS} ranks, got {len(ranks)}")
+    head = HELLO_HEAD.pack(HELLO_MAGIC, HELLO_VERSION, bytes(token), len(ranks))
+    return head + b"".join(HELLO_RANK.pack(r) for r in ranks)
+
+
+def parse_hello(topic: bytes, token: bytes) -> list[int]:
+    """The ranks a hello declares; ``ValueError`` naming what is wrong (version, token,
+    length, no ranks)."""
+    if len(topic) < HELLO_HEAD.size:
+        raise ValueError(f"a subscriber's hello is truncated ({len(topic)} bytes)")
+    magic, version, tok, n = HELLO_HEAD.unpack_from(topic)
+    if version != HELLO_VERSION:
+        raise ValueError(
+            f"a subscriber speaks queue protocol version {version}, this writer {HELLO_VERSION}"
+        )
+    if tok != bytes(token):
+        raise ValueError("a subscriber's hello carries a wrong socket token (another queue's?)")
+    if n == 0:
+        raise ValueError("a subscriber declared no reader ranks")
+    if len(topic) != HELLO_HEAD.size + n * HELLO_RANK.size:
+        raise ValueError(f"a subscriber's hello has {len(topic)} bytes for {n} ranks")
+    return [HELLO_RANK.unpack_from(topic, HELLO_HEAD.size + i * 4)[0] for i in range(n)]
+
+
+class StreamEnd:
+    """A relay's last message downstream: why its upstream ended. ``kind``: "writer_died"
+    (raised as ``WriterDiedError``) or "broken" (``RuntimeError``)."""
+
+    __slots__ = ("kind", "text")
+
+    def __init__(self, kind: str, text: str) -> None:
+        self.kind = kind
+        self.text = text
+
+    def __reduce__(self):
+        return (StreamEnd, (self.kind, self.text))
+
+    def error(self) -> RuntimeError:
+        """The exception a reader raises for it."""
+        if self.kind == "writer_died":
+            return WriterDiedError(self.text)
+        return RuntimeError(self.text)

@@ -24,6 +24,7 @@ from vllm_shm_arena.mq.protocol import (
     FLAG_BLOB,
     FLAG_OVERFLOW,
     Handle,
+    StreamEnd,
     parse_diverted,
     writer_died,
 )
@@ -100,11 +101,19 @@ class RemoteReaderEnd(_ReaderEnd):
 
     ROLE = "remote_reader"
 
-    def __init__(self, handle: Handle) -> None:
+    def __init__(self, handle: Handle, ranks: list[int]) -> None:
+        """Subscribes at once, declaring the reader ``ranks`` it covers (its own; a relay's
+        node's)."""
         super().__init__(handle)
+        self.ranks = list(ranks)
         try:
             self.socket = ReaderSocket(
-                self.lifecycle, bytes(handle.socket_token), handle.remote_subscribe_addr, False
+                self.lifecycle,
+                bytes(handle.socket_token),
+                handle.remote_subscribe_addr,
+                False,
+                declare=self.ranks,
+                ipv6=bool(handle.remote_addr_ipv6),
             )
         except BaseException:
             self.lifecycle.abandon()  # half built: release now
@@ -147,6 +156,8 @@ class LocalReaderEnd(_ReaderEnd):
         self.arena: ShmTensorArena | None = None
         #: Ring reads taken ahead while waiting on the socket for an overflow message.
         self.peeked: deque = deque()
+        #: A relay's last message (its upstream ended): raised by every later dequeue.
+        self.ended: StreamEnd | None = None
         try:
             name, shm_dir = handle.buffer_handle
             # The arena first: a ring rank is claimed once for good, an arena rank that
@@ -193,6 +204,8 @@ class LocalReaderEnd(_ReaderEnd):
         self.socket.await_ready(deadline, self.writer_is_dead)
 
     def _dequeue_locked(self, deadline: float | None, indefinite: bool) -> Any:
+        if self.ended is not None:
+            raise self.ended.error()
         arena = self.arena
         if arena is not None:
             if arena.needs_flush:  # something was pinned: releases wait for their events
@@ -246,6 +259,9 @@ class LocalReaderEnd(_ReaderEnd):
         self.counters["messages"] += 1
         obj = unpickle(frames, arena)
         self.last_dequeue_s = time.perf_counter() - arrived
+        if type(obj) is StreamEnd:  # only a relay sends one (protocol.py)
+            self.ended = obj
+            raise obj.error()
         return obj
 
     def read_blob(self, marker_frames) -> list:

@@ -9,7 +9,10 @@
                 (every message; at most SOCKET_HWM queued per reader, then enqueue waits)
 
 The handshake (``wait_until_ready``): each reader subscribes; the writer waits for exactly the
-expected number of subscriptions per socket, removes the local socket's name (nobody else may
+expected number of subscriptions on the local socket and, on the remote one, for subscribers
+whose hellos (protocol.py) declare every remote reader rank exactly once (``Roster``; a
+duplicate, unknown rank, wrong token or version, or a subscriber declaring nothing is refused);
+it removes the local socket's name (nobody else may
 connect now; its directory stays, so the name is never free for another user), and sends
 ``READY``. Every later message on a socket starts with the handle's random token; the writer's
 last frame is ``SHUTDOWN_FRAME`` + token. A reader takes nothing without the token: whatever
@@ -18,10 +21,16 @@ answers at the socket's address after the writer is gone is not the writer.
 ``WriterSockets`` and ``ReaderSocket`` own their context, sockets and ``io_lock`` (held while
 a call uses a socket, so shutdown() from another thread does not close one under it: ZeroMQ
 sockets are not thread-safe); they register them in the end's ``Resources``.
+
+A remote reader's connection that drops is never resumed in order (a PUB socket does not
+replay what a subscriber missed): the reader delivers what arrived, then raises
+``WriterDiedError``. Its receive queue holds at most SOCKET_HWM messages, so a reader that does
+not read makes the writer wait (ZeroMQ stops reading the TCP connection at the cap).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import threading
@@ -34,9 +43,14 @@ from vllm_shm_arena import settings
 from vllm_shm_arena._ext import _C
 from vllm_shm_arena.mq.lifecycle import WAIT_SLICE_S, Lifecycle
 from vllm_shm_arena.mq.protocol import (
+    HELLO_MAGIC,
     READY_FRAME,
     SHUTDOWN_FRAME,
+    ShutDownByWriter,
+    WriterDiedError,
     connection_lost_error,
+    hello_topic,
+    parse_hello,
     writer_died,
 )
 from vllm_shm_arena.mq.reporting import RateLimitedLog
@@ -71,6 +85,76 @@ def local_ip() -> str:
         return "127.0.0.1"
 
 
+def is_ipv6(address: str) -> bool:
+    """Whether ``address`` is a bare IPv6 address (vLLM's ``is_valid_ipv6_address``)."""
+    try:
+        ipaddress.IPv6Address(address)
+    except ValueError:
+        return False
+    return True
+
+
+def remote_lost_error() -> WriterDiedError:
+    """A remote reader's TCP connection to the writer dropped (for good: see the module
+    docstring)."""
+    return WriterDiedError(
+        "MessageQueue: the TCP connection to the writer dropped (the writer process died or "
+        "the network failed); messages sent before were delivered, no more will come"
+    )
+
+
+class Roster:
+    """The reader ranks the remote socket's subscribers must declare, each exactly once:
+    ``expected`` (a set), or, when None, any ``n`` distinct ranks not in ``local``."""
+
+    def __init__(self, n: int, local=(), expected=None) -> None:
+        self.n = n
+        self.local = frozenset(local)
+        self.expected = None if expected is None else frozenset(expected)
+        self.declared: set[int] = set()
+        self.hellos = 0
+        self.plain = 0
+
+    def add(self, ranks: list[int]) -> None:
+        """A subscriber's declared ranks; ``RuntimeError`` naming what is wrong."""
+        for r in ranks:
+            if r in self.declared or ranks.count(r) > 1:
+                raise RuntimeError(
+                    f"refusing a subscriber of the queue socket: reader rank {r} was declared twice"
+                )
+            if r in self.local or (self.expected is not None and r not in self.expected):
+                raise RuntimeError(
+                    f"refusing a subscriber of the queue socket: it declared reader rank {r}, "
+                    f"which is not a remote reader of this queue (remote: {self.describe()})"
+                )
+        self.declared.update(ranks)
+        self.hellos += 1
+
+    def complete(self) -> bool:
+        """Every remote rank declared, and every declaring subscriber's receiving
+        subscription in."""
+        if self.expected is not None:
+            covered = self.declared == self.expected
+        else:
+            covered = len(self.declared) == self.n
+        return covered and self.plain >= self.hellos
+
+    def describe(self) -> str:
+        if self.expected is not None:
+            return f"ranks {sorted(self.expected)}"
+        return f"any {self.n} ranks not in {sorted(self.local)}"
+
+    def missing(self) -> str:
+        """For a timeout: who has not come."""
+        if self.expected is not None:
+            left = f"ranks {sorted(self.expected - self.declared)} undeclared"
+        else:
+            left = f"{self.n - len(self.declared)} of {self.n} ranks undeclared"
+        if self.plain > self.hellos:
+            left += f"; {self.plain - self.hellos} subscriber(s) declared no reader ranks"
+        return left
+
+
 def _poll(
     life: Lifecycle, sock, deadline: float | None, what: str, idle: Callable[[], None] | None
 ):
@@ -100,6 +184,7 @@ class WriterSockets:
         self.io_lock = threading.RLock()
         self.local = None
         self.remote = None
+        self.remote_ipv6 = False
 
     def _xpub(self, hwm: int):
         s = self.ctx.socket(zmq.XPUB)
@@ -129,29 +214,71 @@ class WriterSockets:
         return addr
 
     def bind_remote(self, connect_ip: str) -> str:
-        """The remote (TCP) socket on ``connect_ip``, a free port -> its address."""
+        """The remote (TCP) socket on ``connect_ip``, a free port -> its address. A bare IPv6
+        address is bound as vLLM does: ``tcp://[addr]:port`` with ``zmq.IPV6`` set
+        (``remote_ipv6`` then says so, for the handle)."""
         self.remote = self._xpub(SOCKET_HWM)
+        self.remote_ipv6 = is_ipv6(connect_ip)
+        if self.remote_ipv6:
+            self.remote.setsockopt(zmq.IPV6, 1)
+            connect_ip = f"[{connect_ip}]"
         port = self.remote.bind_to_random_port(f"tcp://{connect_ip}")
         return f"tcp://{connect_ip}:{port}"
 
-    def await_subscribers(self, n_local: int, n_remote: int, deadline: float | None) -> None:
-        """The writer's half of the handshake (see the module docstring)."""
+    def _await_roster(self, roster: Roster, deadline: float | None) -> None:
+        """Subscriptions on the remote socket until ``roster`` is complete."""
+        sock = self.remote
+        while not roster.complete():
+            try:
+                _poll(self._life, sock, deadline, "readers to subscribe", None)
+            except TimeoutError as e:
+                raise TimeoutError(f"{e} ({roster.missing()})") from None
+            msg = sock.recv()
+            if not msg or msg[0] != 1:
+                continue  # an unsubscription (a subscriber went away): nothing declared
+            topic = msg[1:]
+            if topic == b"":
+                roster.plain += 1
+            elif topic.startswith(HELLO_MAGIC):
+                try:
+                    ranks = parse_hello(topic, self.token)
+                except ValueError as e:
+                    raise RuntimeError(f"refusing a subscriber of the queue socket: {e}") from None
+                roster.add(ranks)
+            else:
+                raise RuntimeError(
+                    "refusing a subscriber of the queue socket: unexpected subscription "
+                    f"{topic[:32]!r}"
+                )
+
+    def await_subscribers(
+        self, n_local: int, roster: Roster | None, deadline: float | None
+    ) -> None:
+        """The writer's half of the handshake (see the module docstring): ``n_local``
+        subscriptions on the local socket, ``roster`` complete on the remote one."""
         with self.io_lock:
-            for sock, n in ((self.local, n_local), (self.remote, n_remote)):
+            for sock in (self.local, self.remote):
                 if sock is None:
                     continue
-                for _ in range(n):
-                    _poll(self._life, sock, deadline, "readers to subscribe", None)
-                    sock.recv()
+                if sock is self.local:
+                    n = n_local
+                    for _ in range(n):
+                        _poll(self._life, sock, deadline, "readers to subscribe", None)
+                        sock.recv()
+                else:
+                    n = roster.n
+                    self._await_roster(roster, deadline)
                 res = self._life.resources
                 if sock is self.local and res.socket_dir is not None:
                     # Every expected reader is connected: nobody else may connect now. The
                     # directory stays until shutdown, so its name never becomes free.
                     res.socket_dir.unlink_socket()
                 if sock.poll(0):
+                    extra = sock.recv()
+                    why = " (one declared no reader ranks)" if extra == b"\x01" else ""
                     raise RuntimeError(
                         f"more than the {n} expected readers subscribed to the queue "
-                        "socket; refusing to start"
+                        f"socket{why}; refusing to start"
                     )
                 sock.send(READY_FRAME)
 
@@ -226,34 +353,53 @@ class ReaderSocket:
     """A reader's SUB socket: connected to the writer's local socket (with a monitor of the
     connection) or to its remote one."""
 
-    def __init__(self, life: Lifecycle, token: bytes, addr: str, local: bool) -> None:
+    def __init__(
+        self,
+        life: Lifecycle,
+        token: bytes,
+        addr: str,
+        local: bool,
+        declare: list[int] | None = None,
+        ipv6: bool = False,
+    ) -> None:
+        """``declare``: the reader ranks a remote subscriber covers (sent in its hello);
+        ``ipv6``: the address is IPv6 (``Handle.remote_addr_ipv6``)."""
         self._life = life
         self.token = token
         self.ctx = zmq.Context()
         life.resources.ctx = self.ctx
         self.io_lock = threading.RLock()
-        self.monitor = None  # local: events of the connection to the writer's socket
+        self.monitor = None  # events of the connection to the writer's socket
         self.lost = False  # that connection dropped (it is never re-established)
+        self.lost_error = connection_lost_error if local else remote_lost_error
         s = self.ctx.socket(zmq.SUB)
         life.resources.sockets.append(s)
-        s.setsockopt(zmq.RCVHWM, 0)
+        # Remote: bounded, so a reader that does not read makes the writer wait (module
+        # docstring). Local: the ring bounds the overflow messages.
+        s.setsockopt(zmq.RCVHWM, 0 if local else SOCKET_HWM)
         s.setsockopt(zmq.LINGER, 0)
-        if local:
+        if ipv6:
+            s.setsockopt(zmq.IPV6, 1)
+        if local or declare is not None:
             # The socket's name is gone once every reader connected, so a dropped connection is
             # never re-established by the writer: it is an error (seen through this monitor)
             # once what came before is read. ZeroMQ still retries the name (disabling that,
             # ZMQ_RECONNECT_IVL=-1, makes it drop messages received but not yet read when the
             # writer closes); whatever answers there later is not the writer and its messages
             # fail the token check (recv).
+            # A remote reader's dropped TCP connection is final the same way (module
+            # docstring).
             mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
             life.resources.sockets.append(mon)
             self.monitor = mon
         s.setsockopt_string(zmq.SUBSCRIBE, "")
+        if declare is not None:
+            s.setsockopt(zmq.SUBSCRIBE, hello_topic(token, list(declare)))
         s.connect(addr)
         self.sock = s
 
     def connection_lost(self) -> bool:
-        """Local readers: whether the connection to the writer's socket dropped (it is never
+        """Whether the connection to the writer's socket dropped (it is never
         re-established)."""
         mon = self.monitor
         if mon is None or not mon.poll(0):
@@ -273,13 +419,13 @@ class ReaderSocket:
             if writer_dead() and not sock.poll(0):
                 raise writer_died(f"while waiting for {what}")
             if self.connection_lost() and not sock.poll(0):
-                raise connection_lost_error()
+                raise self.lost_error()
 
         with self.io_lock:
             _poll(self._life, sock, deadline, what, idle)
             msg = sock.recv()
         if msg == SHUTDOWN_FRAME + self.token:
-            raise RuntimeError("MessageQueue was shut down by the writer")
+            raise ShutDownByWriter("MessageQueue was shut down by the writer")
         if msg != READY_FRAME:
             raise RuntimeError(f"unexpected first message on the queue socket: {msg[:32]!r}")
 
@@ -319,13 +465,13 @@ class ReaderSocket:
                     # first (ZeroMQ may report the drop before the last frames are readable).
                     if sock.poll(LOST_GRACE_MS):
                         break
-                    raise connection_lost_error()
+                    raise self.lost_error()
             # Zero-copy frames: each belongs to this reader for good, so tensors may alias them.
             frames = sock.recv_multipart(copy=False)
         token = self.token
         head = frames[0].buffer
         if len(frames) == 1 and head == SHUTDOWN_FRAME + token:
-            raise RuntimeError("MessageQueue was shut down by the writer")
+            raise ShutDownByWriter("MessageQueue was shut down by the writer")
         if len(frames) < 2 or head[: len(token)] != token:
             # Not the writer's (it always sends the token, then the pickle): whoever answers at
             # the socket's address now. Nothing of it is unpickled.

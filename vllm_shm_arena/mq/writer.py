@@ -7,6 +7,12 @@ exception at any point is settled from what the ring and the sockets actually to
 from where Python was. A message no reader can ever see gives its arena allocations back; a
 message any reader can see is finished; a half-sent socket message breaks the queue (it
 cannot go on in order), and readers get a clear error after the messages before it.
+
+With readers of both kinds and an arena, a message has two encodings: the arena's (stubs,
+for the ring and the local socket) and the out-of-band one (tensor bytes as buffers, for the
+remote socket: a stub names a segment another node cannot map). The out-of-band one is made
+first (it commits nothing), and only when the queue has a remote socket; each socket's frames
+are settled against that socket's own message.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from vllm_shm_arena.mq.protocol import (
     Handle,
     diverted_header,
 )
-from vllm_shm_arena.mq.transport import WriterSockets, local_ip
+from vllm_shm_arena.mq.transport import Roster, WriterSockets, local_ip
 from vllm_shm_arena.pickler import Dumped, dump_message, dumps_inband
 
 logger = logging.getLogger("vllm_shm_arena")
@@ -75,10 +81,11 @@ def check_int(name: str, value, minimum: int) -> None:
 class Sending:
     """What one enqueue has committed so far, recorded step by step (see ``settle``)."""
 
-    __slots__ = ("diverted", "fits", "blob", "ring_seq", "sent", "socket_owed")
+    __slots__ = ("diverted", "fits", "blob", "ring_seq", "sent", "socket_owed", "n_remote")
 
-    def __init__(self, diverted: list) -> None:
+    def __init__(self, diverted: list, n_remote: int = 0) -> None:
         self.diverted = diverted
+        self.n_remote = n_remote  # frames of the remote socket's message
         self.fits = False
         self.blob: tuple[int, int, int] | None = None  # (slot, generation, nbytes)
         self.ring_seq: int | None = None  # ring.published() just before the publish
@@ -102,9 +109,13 @@ class WriterEnd(End):
         max_chunks: int,
         connect_ip: str | None,
         enable_arena: bool,
-    ) -> tuple[list[int], str | None]:
+        remote_reader_ranks: list[int] | None = None,
+    ) -> tuple[list[int], str | None, Roster]:
         """Every argument, checked before anything (ring, socket, arena) is created ->
-        (local_reader_ranks, connect_ip) with their defaults filled in."""
+        (local_reader_ranks, connect_ip, the remote ranks' roster) with their defaults
+        filled in. The remote ranks, unless given: ``range(n_reader)`` without the local
+        ones when that makes ``n_reader - n_local_reader`` (vLLM's executor), else any that
+        many distinct ranks that are not local."""
         check_int("n_reader", n_reader, 0)
         check_int("n_local_reader", n_local_reader, 0)
         if n_local_reader > n_reader:
@@ -130,7 +141,22 @@ class WriterEnd(End):
             )
         if enable_arena:
             settings.check_arena_policy(_ARENA_POLICY)
-        return list(local_reader_ranks), connect_ip
+        n_remote = n_reader - n_local_reader
+        local = set(local_reader_ranks)
+        if remote_reader_ranks is not None:
+            remote = list(remote_reader_ranks)
+            for r in remote:
+                check_int("remote_reader_ranks[i]", r, 0)
+            if len(remote) != n_remote or len(set(remote)) != n_remote or local & set(remote):
+                raise ValueError(
+                    f"remote_reader_ranks must be {n_remote} distinct ranks not in "
+                    f"local_reader_ranks, got {remote}"
+                )
+            expected = set(remote)
+        else:
+            default = set(range(n_reader)) - local
+            expected = default if len(default) == n_remote else None
+        return list(local_reader_ranks), connect_ip, Roster(n_remote, local, expected)
 
     def __init__(
         self,
@@ -141,9 +167,11 @@ class WriterEnd(End):
         max_chunks: int,
         connect_ip: str | None,
         enable_arena: bool,
+        roster: Roster | None = None,
     ) -> None:
         """Builds the writer from arguments ``check_args`` returned."""
         super().__init__()
+        self.roster = roster if roster is not None else Roster(n_reader - n_local_reader)
         self.n_local_reader = n_local_reader
         self.n_remote_reader = n_reader - n_local_reader
         self.max_chunk_bytes = max_chunk_bytes
@@ -167,12 +195,10 @@ class WriterEnd(End):
             if self.n_remote_reader > 0:
                 remote_addr = self.sockets.bind_remote(connect_ip)
             if enable_arena:
-                if self.n_remote_reader > 0 or n_local_reader == 0:
+                if n_local_reader == 0:
                     logger.warning(
-                        "shm tensor arena disabled for this queue: %d of %d readers are "
-                        "remote (the arena needs every reader on this node); using the "
-                        "out-of-band path",
-                        self.n_remote_reader,
+                        "shm tensor arena disabled for this queue: all %d readers are remote "
+                        "(the arena serves readers on this node); using the out-of-band path",
                         n_reader,
                     )
                 else:
@@ -192,6 +218,7 @@ class WriterEnd(End):
             buffer_handle=(self.ring.name, self.ring.dir) if self.ring else None,
             local_subscribe_addr=local_addr,
             remote_subscribe_addr=remote_addr,
+            remote_addr_ipv6=self.sockets.remote_ipv6,
             tensor_arena_handle=self.arena.handle() if self.arena else None,
         )
 
@@ -214,7 +241,7 @@ class WriterEnd(End):
 
     # ------------------------------------------------------------------ joining
     def _handshake(self, deadline: float | None) -> None:
-        self.sockets.await_subscribers(self.n_local_reader, self.n_remote_reader, deadline)
+        self.sockets.await_subscribers(self.n_local_reader, self.roster, deadline)
         # Every local reader has mapped the ring and the arena: drop the names.
         if self.ring is not None:
             self.ring.unlink()
@@ -229,15 +256,22 @@ class WriterEnd(End):
         self.lifecycle.take(timeout, "enqueue")
         try:
             self.check_can_send()
+            remote_frames = None
             if self.serialize_inband:
                 dumped = Dumped(dumps_inband(obj), [], [])
             else:
+                if self.arena is not None and self.sockets.remote is not None:
+                    # First: it commits nothing, so a failure here leaves no arena slot taken.
+                    plain = dump_message(obj, None)
+                    remote_frames = [b"", plain.data, *plain.buffers]
                 with NOGIL:  # the arena copy releases the GIL
                     dumped = dump_message(obj, self.arena)
             frames = [diverted_header(dumped.diverted), dumped.data, *dumped.buffers]
-            sending = Sending(dumped.diverted)
+            if remote_frames is None:
+                remote_frames = frames
+            sending = Sending(dumped.diverted, len(remote_frames))
             try:
-                self.send(frames, deadline, sending)
+                self.send(frames, deadline, sending, remote_frames)
             except BaseException as e:
                 self.settle(frames, sending, e)
                 raise
@@ -252,14 +286,17 @@ class WriterEnd(End):
         if self.broken:
             raise RuntimeError(f"MessageQueue is broken ({self.broken}); recreate it")
 
-    def send(self, frames: list, deadline: float | None, sending: Sending) -> None:
+    def send(
+        self, frames: list, deadline: float | None, sending: Sending, remote_frames=None
+    ) -> None:
         """One message, in an order where every wait comes before anything is committed:
         (1) a ring chunk is reserved (the ring's back-pressure), (2) a message too big for a
         chunk is packed into an arena blob (never waits, may decline), (3) remote readers'
         socket (waits while a reader's backlog is at its cap), then (4) the ring publishes
         (and, for an overflow message without a blob, the local socket takes it; it never
         waits: the ring bounds its backlog). Each step records what it committed in
-        ``sending``, for ``settle``."""
+        ``sending``, for ``settle``. ``remote_frames``: the remote socket's encoding
+        (default: ``frames``)."""
         sizes = [memoryview(f).nbytes for f in frames]
         self.counters["bytes"] += sum(sizes)
         ring = self.ring
@@ -277,7 +314,13 @@ class WriterEnd(End):
                 with NOGIL:
                     sending.blob = self.arena.write_blob(frames, self.blob_max)
         if self.sockets.remote is not None:
-            self.sockets.send(self.sockets.remote, frames, deadline, sending, may_wait=True)
+            if remote_frames is None:
+                remote_frames = frames
+            sending.n_remote = len(remote_frames)
+            self.counters["remote_bytes"] = self.counters.get("remote_bytes", 0) + sum(
+                memoryview(f).nbytes for f in remote_frames
+            )
+            self.sockets.send(self.sockets.remote, remote_frames, deadline, sending, may_wait=True)
         if ring is not None:
             self.publish_local(frames, fits, sending)
 
@@ -327,11 +370,11 @@ class WriterEnd(End):
         ring = self.ring
         seq = sending.ring_seq
         ring_committed = ring is not None and seq is not None and ring.published() > seq
-        counts = list(sending.sent.values())
-        if any(0 < k < n for k in counts):
+        remote = self.sockets.remote
+        whole = {id(remote): sending.n_remote} if remote is not None else {}
+        if any(0 < k < whole.get(sid, n) for sid, k in sending.sent.items()):
             self.break_off("an enqueue was interrupted half-way through a socket send")
             return
-        remote = self.sockets.remote
         remote_done = remote is not None and sending.sent.get(id(remote))
         if not ring_committed and not remote_done:
             blob = [sending.blob[:2]] if sending.blob is not None else []
