@@ -10,7 +10,7 @@ SUDO=""
 if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO=sudo; fi
 
 need_apt=()
-for pkg in catch2 cmake g++ make; do
+for pkg in catch2 cmake g++ make nftables; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
