@@ -7,7 +7,8 @@ Each rank runs one *mode*:
 * ``ours``: the plugin's join;
 * ``vllm``: vLLM's own join (the plugin inactive on that node);
 * ``nopkg``: vLLM's own join where vllm_shm_arena cannot be imported;
-* ``other``: the plugin's join in another version of the package.
+* ``other``: the plugin's join in another version of the package;
+* ``badrelay``: the plugin's join where the relay cannot start.
 
 Without vLLM (the default suite) vLLM's side is a stand-in written from vLLM 0.33's source:
 its ``in_the_same_node_as`` collectives (broadcast, barrier, all_reduce), its
@@ -307,6 +308,13 @@ def _join(mode, backend, pg, external):
     if mode == "other":
         vllm_multinode._PACKAGE_VERSION = "0.0.9"
         vllm_multinode.AGREEMENT = (vllm_multinode.WIRE, "0.0.9")
+    ours_mq = _with_relay(MessageQueue)
+    if mode == "badrelay":
+
+        def no_relay(handle, rank, relayed):
+            raise OSError(f"rank {rank} cannot reach {handle.remote_subscribe_addr}")
+
+        ours_mq = type("MessageQueue", (ours_mq,), {"create_relay": staticmethod(no_relay)})
     return vllm_multinode.create_mq_broadcaster(
         pg,
         0,
@@ -314,7 +322,7 @@ def _join(mode, backend, pg, external):
         False,
         stock_mq=FakeVllmMQ,
         stock_handle=FakeVllmHandle,
-        ours_mq=_with_relay(MessageQueue),
+        ours_mq=ours_mq,
         ours_handle=Handle,
         in_the_same_node_as=fake_in_the_same_node_as,
     )
@@ -399,6 +407,50 @@ def _check_clear_failure(reports, ours_ranks, expect_in_ours):
         print(f"rank {r} failed after {rep['join_s']:.2f} s: {rep['error']}")
 
 
+# ------------------------------------------------------------------ the pieces, in-process
+def test_ticket_round_trips_and_trips_vllms_reader():
+    import pickle
+
+    from vllm_shm_arena import vllm_multinode
+    from vllm_shm_arena.message_queue import Handle
+    from vllm_shm_arena.vllm_multinode import JoinTicket, PluginMismatchError
+
+    h = Handle(local_reader_ranks=[0, 1], remote_subscribe_addr="tcp://127.0.0.1:5")
+    t = pickle.loads(pickle.dumps(JoinTicket.of(h)))
+    assert t.matches() and t.handle() == h
+    for field in dataclasses.fields(FakeVllmHandle):  # what vLLM's create_from_handle reads
+        with pytest.raises(PluginMismatchError, match="the plugin is not active here"):
+            getattr(t, field.name)
+    with pytest.raises(PluginMismatchError):
+        FakeVllmMQ.create_from_handle(t, 2)
+    other = JoinTicket(vllm_multinode.WIRE, "9.9", b"")
+    assert not pickle.loads(pickle.dumps(other)).matches()
+
+
+def test_roles_by_rank_number():
+    from vllm_shm_arena.vllm_multinode import Roles
+
+    roles = Roles([0, 1], 6, 0)
+    assert [roles.node(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert [roles.relay_of(r) for r in range(6)] == [0, 0, 2, 2, 4, 4]
+    assert roles.members(2) == [4, 5]
+    for ranks, world in (([0, 1], 5), ([1, 2], 4), ([], 4), ([0, 2], 4)):
+        with pytest.raises(ValueError, match="not vLLM's executor layout"):
+            Roles(ranks, world, 0)
+    with pytest.raises(ValueError, match="not on node 0"):
+        Roles([0, 1], 4, 2)
+
+
+def test_verdict_names_every_rank_that_disagrees():
+    from vllm_shm_arena import vllm_multinode as vm
+
+    ok = vm._vote(None)
+    assert vm._verdict([ok, ok, vm._vote(None, {"h": 1}), ok]) is None
+    bad = vm._verdict([ok, (vm.WIRE, "0.0.9", None, None), vm._vote("OSError: x"), "junk"])
+    assert "rank 1 runs vllm_shm_arena 0.0.9" in bad
+    assert "rank 2: OSError: x" in bad and "rank 3 sent 'junk'" in bad
+
+
 # ------------------------------------------------------------------ without vLLM
 def test_all_ranks_ours_roles_and_messages():
     writer = _our_writer(_writer_readers())
@@ -442,6 +494,16 @@ def test_other_version_on_node_1_fails_clearly_on_every_rank():
     _check_clear_failure(reports, range(4), ["rank 2", "rank 3", "0.0.9"])
     assert len({reports[r]["error"] for r in (0, 1)}) == 1, reports
     assert len({reports[r]["error"] for r in (2, 3)}) == 1, reports
+
+
+def test_a_relay_that_cannot_start_fails_every_rank_with_its_error():
+    writer = _our_writer(_writer_readers())
+    try:
+        reports = run_group(["ours", "ours", "badrelay", "ours"], "none", writer.export_handle())
+    finally:
+        writer.shutdown()
+    _check_clear_failure(reports, range(4), ["rank 2: OSError: rank 2 cannot reach tcp://"])
+    assert len({rep["error"] for rep in reports.values()}) == 1, reports
 
 
 def test_vllms_handle_joins_vllms_queue_with_vllms_collectives():
