@@ -45,7 +45,9 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from vllm_shm_arena import __version__ as _PACKAGE_VERSION
+import vllm_shm_arena
+
+_PACKAGE_VERSION: str = vllm_shm_arena.__version__
 
 #: The ticket's format; bumped whenever ``JoinTicket``'s fields or C3's vote change meaning.
 #: The class name, its module and ``__reduce__``'s three arguments never change, so every

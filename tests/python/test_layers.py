@@ -36,6 +36,7 @@ ORDER = [
     "mq.writer",
     "mq.groups",
     "message_queue",
+    "vllm_multinode",  # the multi-node join the plugin installs
     "vllm_plugin",
     "check",
     "__main__",
