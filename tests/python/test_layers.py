@@ -37,6 +37,7 @@ ORDER = [
     "mq.relay",
     "mq.groups",
     "message_queue",
+    "vllm_multinode",  # the multi-node join the plugin installs
     "vllm_plugin",
     "check",
     "__main__",

@@ -98,6 +98,12 @@ class StockMQ:
     def recv(sock: Any, timeout: Any) -> str:
         return "stock-recv"
 
+    @staticmethod
+    def create_from_process_group(
+        pg, max_chunk_bytes, max_chunks, writer_rank=0, external_writer_handle=None, blocking=True
+    ):
+        raise AssertionError("the fake's group constructor is never called")
+
 
 @dataclasses.dataclass
 class StockHandle:
@@ -121,6 +127,60 @@ def _as_vllms(cls: type, name: str) -> type:
 
 _as_vllms(StockMQ, "MessageQueue")
 _as_vllms(StockHandle, "Handle")
+
+PARALLEL_STATE = "vllm.distributed.parallel_state"
+
+
+def _fake_parallel_state() -> types.ModuleType:
+    """vLLM 0.32.0/0.33.0's parallel_state names the multi-node join relies on (signatures
+    copied from its source)."""
+    ps = types.ModuleType(PARALLEL_STATE)
+
+    class GroupCoordinator:
+        def create_mq_broadcaster(self, writer_rank=0, external_writer_handle=None, blocking=True):
+            return ("stock-create_mq_broadcaster", writer_rank, external_writer_handle, blocking)
+
+    def in_the_same_node_as(pg, source_rank=0):
+        raise AssertionError("not called against the fake")
+
+    def get_inner_dp_world_group():
+        raise AssertionError("not called against the fake")
+
+    for obj in (GroupCoordinator, in_the_same_node_as, get_inner_dp_world_group):
+        obj.__module__, obj.__qualname__ = PARALLEL_STATE, obj.__name__
+        setattr(ps, obj.__name__, obj)
+    return ps
+
+
+class WorkerProc:
+    """Stands for multiproc_executor.WorkerProc (0.32.0/0.33.0)."""
+
+    def _init_message_queues(self, input_shm_handle, vllm_config):
+        pass
+
+
+WorkerProc.__module__ = MPE
+
+
+def _parallel_config(native_field: bool = True, **defaults: Any) -> type:
+    """vLLM's ParallelConfig as far as the plugin reads it: fields and the node properties."""
+    fields: dict[str, Any] = {
+        "tensor_parallel_size": 1,
+        "master_addr": "127.0.0.1",
+        "node_rank": 0,
+        "nnodes": 1,
+    }
+    if native_field:
+        fields["enable_shm_tensor_arena"] = False
+    fields.update(defaults)
+    return dataclasses.make_dataclass(
+        "ParallelConfig",
+        [(k, type(v), v) for k, v in fields.items()],
+        namespace={
+            "nnodes_within_dp": property(lambda self: self.nnodes),
+            "local_world_size": property(lambda self: 1),
+        },
+    )
 
 
 class OurMQ(_Recorder):
@@ -147,6 +207,7 @@ def fresh_plugin(monkeypatch):
     monkeypatch.setattr(vllm_plugin, "_attempted", False)
     for attr in ("_stock_cls", "_stock_handle_cls", "_ours_cls", "_ours_handle_cls"):
         monkeypatch.setattr(ShmArenaMessageQueue, attr, None)
+    monkeypatch.setattr(ShmArenaMessageQueue, "_join_installed", False)
 
 
 def _install_fake_vllm(monkeypatch, version: str | None = "0.33.0", native_field: bool = True):
@@ -156,24 +217,26 @@ def _install_fake_vllm(monkeypatch, version: str | None = "0.33.0", native_field
     if version is not None:
         vllm.__version__ = version
     config = types.ModuleType("vllm.config")
-    fields: dict[str, Any] = {"tensor_parallel_size": 1}
-    if native_field:
-        fields["enable_shm_tensor_arena"] = False
-    config.ParallelConfig = dataclasses.make_dataclass(
-        "ParallelConfig", [(k, type(v), v) for k, v in fields.items()]
-    )
+    config.ParallelConfig = _parallel_config(native_field)
     v1 = types.ModuleType("vllm.v1")
     executor = types.ModuleType("vllm.v1.executor")
     mpe = types.ModuleType(MPE)
     mpe.MessageQueue = StockMQ
     mpe.Handle = StockHandle
+    mpe.WorkerProc = WorkerProc
     vllm.config, vllm.v1, v1.executor, executor.multiproc_executor = config, v1, executor, mpe
+    distributed = types.ModuleType("vllm.distributed")
+    ps = _fake_parallel_state()
+    vllm.distributed, distributed.parallel_state = distributed, ps
+    vllm.__path__ = distributed.__path__ = v1.__path__ = executor.__path__ = []
     for name, mod in (
         ("vllm", vllm),
         ("vllm.config", config),
         ("vllm.v1", v1),
         ("vllm.v1.executor", executor),
         (MPE, mpe),
+        ("vllm.distributed", distributed),
+        (PARALLEL_STATE, ps),
     ):
         monkeypatch.setitem(sys.modules, name, mod)
     return mpe
@@ -548,6 +611,123 @@ def test_changed_interface_stands_aside_naming_it(
         assert name in msg, (name, msg)
 
 
+def _coordinator_with(fn) -> type:
+    cls = type("GroupCoordinator", (), {"create_mq_broadcaster": fn})
+    cls.__module__ = PARALLEL_STATE
+    return cls
+
+
+def _without_property(name: str) -> type:
+    cls = _parallel_config()
+    delattr(cls, name)
+    return cls
+
+
+class FieldInfo:
+    """pydantic's FieldInfo as a pydantic dataclass leaves it in ``__dataclass_fields__``."""
+
+    def __init__(self, default):
+        self.default = default
+
+    def __repr__(self) -> str:
+        return f"FieldInfo(annotation=NoneType, required=False, default={self.default})"
+
+
+def _with_field_info(default) -> type:
+    cls = _parallel_config()
+    cls.__dataclass_fields__["nnodes"].default = FieldInfo(default)
+    return cls
+
+
+# The multi-node names: (module, attribute, replacement or None to delete, text the line names).
+MULTINODE_CHANGES = {
+    "no_coordinator": (PARALLEL_STATE, "GroupCoordinator", None, ["GroupCoordinator"]),
+    "broadcaster_lost_blocking": (
+        PARALLEL_STATE,
+        "GroupCoordinator",
+        lambda: _coordinator_with(lambda self, writer_rank=0, external_writer_handle=None: None),
+        ["GroupCoordinator.create_mq_broadcaster", "blocking=True"],
+    ),
+    "same_node_renamed": (
+        PARALLEL_STATE,
+        "in_the_same_node_as",
+        lambda: _as_ps(lambda group, source_rank=0: None, "in_the_same_node_as"),
+        ["in_the_same_node_as", "'group'"],
+    ),
+    "no_inner_dp_group": (PARALLEL_STATE, "get_inner_dp_world_group", None, ["get_inner_dp"]),
+    "no_worker_proc": (MPE, "WorkerProc", None, ["WorkerProc"]),
+    "init_queues_changed": (
+        MPE,
+        "WorkerProc",
+        lambda: _worker_with(lambda self, handle, vllm_config: None),
+        ["WorkerProc._init_message_queues", "input_shm_handle"],
+    ),
+    "group_constructor_changed": (
+        MPE,
+        "MessageQueue",
+        lambda: _mq_variant(
+            create_from_process_group=staticmethod(lambda pg, max_chunk_bytes, max_chunks: None)
+        ),
+        ["MessageQueue.create_from_process_group", "writer_rank=0"],
+    ),
+    "no_local_world_size": (
+        "vllm.config",
+        "ParallelConfig",
+        lambda: _without_property("local_world_size"),
+        ["ParallelConfig.local_world_size"],
+    ),
+    "nnodes_default_changed": (
+        "vllm.config",
+        "ParallelConfig",
+        lambda: _with_field_info(2),
+        ["ParallelConfig.nnodes", "nnodes=2", "nnodes=1"],
+    ),
+}
+
+
+def _as_ps(fn, name: str):
+    fn.__module__, fn.__qualname__ = PARALLEL_STATE, name
+    return fn
+
+
+def _worker_with(fn) -> type:
+    cls = type("WorkerProc", (), {"_init_message_queues": fn})
+    cls.__module__ = MPE
+    return cls
+
+
+@pytest.mark.parametrize("change", sorted(MULTINODE_CHANGES))
+def test_changed_multinode_interface_stands_aside_naming_it(
+    monkeypatch, fresh_plugin, fake_ours, caplog, change
+):
+    module, attr, make, names = MULTINODE_CHANGES[change]
+    mpe = _install_fake_vllm(monkeypatch)
+    ps = sys.modules[PARALLEL_STATE]
+    if make is None:
+        delattr(sys.modules[module], attr)
+    else:
+        setattr(sys.modules[module], attr, make())
+    vllm_plugin.register()
+    assert mpe.MessageQueue is not ShmArenaMessageQueue
+    coordinator = getattr(ps, "GroupCoordinator", None)
+    assert not hasattr(getattr(coordinator, "create_mq_broadcaster", None), "_vsa_stock")
+    recs = _plugin_records(caplog)
+    assert len(recs) == 1, [r.getMessage() for r in recs]
+    msg = recs[0].getMessage()
+    assert "keeping vLLM's own MessageQueue" in msg, msg
+    for name in names:
+        assert name in msg, (name, msg)
+
+
+def test_pydantic_field_defaults_are_read_through_their_field_info(
+    monkeypatch, fresh_plugin, fake_ours
+):
+    mpe = _install_fake_vllm(monkeypatch)
+    config = _with_field_info(1)
+    assert vllm_plugin._fields(config)["nnodes"] == "nnodes=1"
+    assert vllm_plugin.interface_changes("0.33.0", config, mpe) == []
+
+
 def test_parallel_config_default_changed_is_named(monkeypatch, fresh_plugin, fake_ours, caplog):
     mpe = _install_fake_vllm(monkeypatch)
     sys.modules["vllm.config"].ParallelConfig = dataclasses.make_dataclass(
@@ -667,16 +847,85 @@ def test_flag_on_positional_like_vllm(fake_vllm):
     assert q.args == (2, 2, [0, 1])
 
 
-def test_flag_on_with_remote_readers_logs_once_and_builds_stock(fake_vllm, caplog):
+def test_flag_on_with_the_executors_remote_layout_builds_ours(fake_vllm, caplog):
+    """vLLM's executor on node 0 of 2: (world_size, local_world_size), default local ranks."""
+    caplog.set_level(logging.INFO, logger="vllm")
     vllm_plugin.register()
     q = fake_vllm.MessageQueue(
         8, 4, max_chunk_bytes=1 << 20, connect_ip="127.0.0.1", enable_shm_tensor_arena=True
     )
+    assert type(q) is OurMQ
+    assert q.args == (8, 4, None)
+    assert q.kwargs["connect_ip"] == "127.0.0.1" and q.kwargs["enable_shm_tensor_arena"] is True
+    recs = _plugin_records(caplog)
+    assert len(recs) == 1 and recs[0].levelno == logging.INFO
+    assert "8 readers on 2 nodes" in recs[0].getMessage(), recs[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, why",
+    [
+        ((8, 4, [0, 1, 2, 3]), {}, "not the layout of vLLM's executor"),
+        ((7, 4), {}, "not the layout of vLLM's executor"),
+        ((4, 0), {}, "not the layout of vLLM's executor"),
+    ],
+)
+def test_flag_on_with_other_remote_layouts_logs_once_and_builds_stock(
+    fake_vllm, caplog, args, kwargs, why
+):
+    vllm_plugin.register()
+    q = fake_vllm.MessageQueue(*args, connect_ip="127.0.0.1", enable_shm_tensor_arena=True)
     assert type(q) is StockMQ
     assert q.bound["enable_shm_tensor_arena"] is True  # vLLM's own class decides for itself
     recs = _plugin_records(caplog)
     assert len(recs) == 1 and recs[0].levelno == logging.WARNING
-    assert "4 of 8 readers" in recs[0].getMessage()
+    msg = recs[0].getMessage()
+    assert f"{args[0] - args[1]} of {args[0]} readers" in msg and why in msg, msg
+
+
+def test_remote_readers_without_our_join_build_stock(fake_vllm, caplog, monkeypatch):
+    """Ours with remote readers only where the workers' join is ours."""
+    vllm_plugin.register()
+    monkeypatch.setattr(ShmArenaMessageQueue, "_join_installed", False)
+    q = fake_vllm.MessageQueue(8, 4, connect_ip="127.0.0.1", enable_shm_tensor_arena=True)
+    assert type(q) is StockMQ
+    assert "create_mq_broadcaster, is vLLM's" in _plugin_records(caplog)[0].getMessage()
+
+
+class _FakeExecutor:
+    """Builds the queue as MultiprocExecutor._init_executor does, with its parallel_config."""
+
+    def __init__(self, mq_cls, nnodes, nnodes_within_dp):
+        self.parallel_config = types.SimpleNamespace(
+            nnodes=nnodes, nnodes_within_dp=nnodes_within_dp
+        )
+        self.rpc_broadcast_mq = mq_cls(8, 4, connect_ip="127.0.0.1", enable_shm_tensor_arena=True)
+
+
+@pytest.mark.parametrize("nnodes, within, ours", [(2, 2, True), (4, 2, False)])
+def test_data_parallelism_across_nodes_builds_stock(fake_vllm, caplog, nnodes, within, ours):
+    """DP replicas over nodes (nnodes_within_dp != nnodes): the plugin stands aside, with a
+    line that says why."""
+    vllm_plugin.register()
+    q = _FakeExecutor(fake_vllm.MessageQueue, nnodes, within).rpc_broadcast_mq
+    assert type(q) is (OurMQ if ours else StockMQ)
+    if not ours:
+        msg = _plugin_records(caplog)[0].getMessage()
+        assert "data parallelism across nodes" in msg and "4 nodes, 2 per replica" in msg, msg
+
+
+def test_register_installs_the_join_on_the_group_coordinator(fake_vllm):
+    ps = sys.modules[PARALLEL_STATE]
+    stock = ps.GroupCoordinator.create_mq_broadcaster
+    vllm_plugin.register()
+    ours = ps.GroupCoordinator.create_mq_broadcaster
+    assert ours is not stock and ours._vsa_stock is stock
+    assert vllm_plugin._params(ours) == vllm_plugin._params(stock)
+    assert ShmArenaMessageQueue._join_installed
+    # After a reload of the plugin, the checker sees vLLM's function behind ours.
+    version = "0.33.0"
+    config = sys.modules["vllm.config"].ParallelConfig
+    assert vllm_plugin.interface_changes(version, config, fake_vllm, ps) == []
 
 
 class _StockMQNext(StockMQ):

@@ -177,8 +177,11 @@ def test_flag_off_is_vllms_own_queue_end_to_end(patched, seed):
 
 
 def test_remote_readers_and_response_queues_stay_stock(patched):
+    # Remote readers in a layout vLLM's executor does not make (3 readers, 2 of them local:
+    # nodes cannot be told by rank number) stay vLLM's; the executor's own multi-node layout
+    # is tests/python/test_vllm_multinode.py's.
     q = patched.MessageQueue(
-        2, 1, max_chunk_bytes=1 << 20, connect_ip="127.0.0.1", enable_shm_tensor_arena=True
+        3, 2, max_chunk_bytes=1 << 20, connect_ip="127.0.0.1", enable_shm_tensor_arena=True
     )
     try:
         assert type(q) is shm_broadcast.MessageQueue
