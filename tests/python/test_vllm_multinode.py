@@ -16,10 +16,6 @@ its ``in_the_same_node_as`` collectives (broadcast, barrier, all_reduce), its
 vLLM's does. With vLLM (marker ``vllm``, ``make vllm-test``) the ranks call vLLM's real
 ``GroupCoordinator.create_mq_broadcaster`` (ours installed by the real ``register()``) with
 vLLM's real ``in_the_same_node_as`` and queue.
-
-``MessageQueue.create_relay`` comes with the relaying queue; where the package does not have
-it yet, ``_StandInRelay`` below stands in for it (tests only): a remote reader upstream whose
-messages a thread re-sends through a node-local queue.
 """
 
 from __future__ import annotations
@@ -27,10 +23,8 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-import queue
 import socket
 import sys
-import threading
 import time
 import traceback
 from datetime import timedelta
@@ -134,70 +128,6 @@ def fake_vllm_create_from_process_group(pg, writer_rank, external_writer_handle,
     return buffer_io
 
 
-# ------------------------------------------------------------------ the relay, stood in
-class _StandInRelay:
-    """What ``MessageQueue.create_relay(handle, rank, relayed_ranks)`` gives: a reader of the
-    writer's queue whose messages go on, in order, to the relayed ranks through a queue of
-    its own (``downstream_handle``; relayed rank i of ``relayed_ranks`` joins it as reader
-    ``1 + i``)."""
-
-    def __init__(self, mq_cls, handle, rank, relayed):
-        self.upstream = mq_cls.create_from_handle(handle, rank)
-        k = len(relayed)
-        self.downstream = mq_cls(
-            k, k, list(range(1, k + 1)), max_chunk_bytes=1 * MiB, enable_shm_tensor_arena=True
-        )
-        self.downstream_handle = self.downstream.export_handle()
-        self.inbox: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._forward, daemon=True)
-
-    def wait_until_ready(self):
-        self.upstream.wait_until_ready()
-        self.downstream.wait_until_ready()
-        self.thread.start()
-
-    def _forward(self):
-        while True:
-            try:
-                msg = self.upstream.dequeue(timeout=None, indefinite=True)
-            except RuntimeError:
-                return
-            self.downstream.enqueue(msg)
-            self.inbox.put(msg)
-
-    def dequeue(self, timeout=None, indefinite=False):
-        return self.inbox.get(timeout=timeout)
-
-    def stats(self):
-        return {"role": "relay"}
-
-    def shutdown(self):
-        self.upstream.shutdown()
-        self.downstream.shutdown()
-
-
-def _with_relay(mq_cls):
-    """``mq_cls``, given the stand-in ``create_relay`` when it has none of its own."""
-    if hasattr(mq_cls, "create_relay"):
-        return mq_cls
-    return type(
-        mq_cls.__name__,
-        (mq_cls,),
-        {
-            "create_relay": staticmethod(
-                lambda h, r, relayed: _StandInRelay(mq_cls, h, r, relayed)
-            ),
-            "__module__": mq_cls.__module__,
-        },
-    )
-
-
-def has_real_relay() -> bool:
-    from vllm_shm_arena import MessageQueue
-
-    return hasattr(MessageQueue, "create_relay")
-
-
 # ------------------------------------------------------------------ recording collectives
 _COLLECTIVES = (
     "broadcast_object_list",
@@ -287,12 +217,10 @@ def _join(mode, backend, pg, external):
         coordinator = type("Coordinator", (), {})()
         coordinator.cpu_group = pg
         if mode in ("ours", "other"):
-            from vllm_shm_arena import message_queue, vllm_multinode, vllm_plugin
+            from vllm_shm_arena import vllm_multinode, vllm_plugin
 
             vllm_plugin.register()
             assert getattr(ps.GroupCoordinator.create_mq_broadcaster, "_vsa_stock", None)
-            if not has_real_relay():
-                message_queue.MessageQueue = _with_relay(message_queue.MessageQueue)
             if mode == "other":
                 vllm_multinode._PACKAGE_VERSION = "0.0.9"
                 vllm_multinode.AGREEMENT = (vllm_multinode.WIRE, "0.0.9")
@@ -308,7 +236,7 @@ def _join(mode, backend, pg, external):
     if mode == "other":
         vllm_multinode._PACKAGE_VERSION = "0.0.9"
         vllm_multinode.AGREEMENT = (vllm_multinode.WIRE, "0.0.9")
-    ours_mq = _with_relay(MessageQueue)
+    ours_mq = MessageQueue
     if mode == "badrelay":
 
         def no_relay(handle, rank, relayed):
@@ -381,12 +309,6 @@ def _our_writer(n_reader: int):
     )
 
 
-def _writer_readers() -> int:
-    """Readers the writer waits for: the executor's count with the relaying queue; the local
-    readers and one relay with the stand-in (today's queue waits for each remote reader)."""
-    return WORLD if has_real_relay() else LOCAL + 1
-
-
 def _check_all_ours_flowed(reports):
     for r, rep in reports.items():
         assert rep["error"] is None, f"rank {r}: {rep.get('tb')}"
@@ -453,7 +375,7 @@ def test_verdict_names_every_rank_that_disagrees():
 
 # ------------------------------------------------------------------ without vLLM
 def test_all_ranks_ours_roles_and_messages():
-    writer = _our_writer(_writer_readers())
+    writer = _our_writer(WORLD)
     try:
         reports = run_group(["ours"] * 4, "ours", writer.export_handle(), writer)
     finally:
@@ -462,7 +384,7 @@ def test_all_ranks_ours_roles_and_messages():
 
 
 def test_plugin_inactive_on_node_1_fails_clearly_on_every_rank():
-    writer = _our_writer(_writer_readers())
+    writer = _our_writer(WORLD)
     try:
         reports = run_group(["ours", "ours", "vllm", "vllm"], "none", writer.export_handle())
     finally:
@@ -474,7 +396,7 @@ def test_plugin_inactive_on_node_1_fails_clearly_on_every_rank():
 
 
 def test_package_missing_on_node_1_fails_clearly_on_every_rank():
-    writer = _our_writer(_writer_readers())
+    writer = _our_writer(WORLD)
     try:
         reports = run_group(["ours", "ours", "nopkg", "nopkg"], "none", writer.export_handle())
     finally:
@@ -486,7 +408,7 @@ def test_package_missing_on_node_1_fails_clearly_on_every_rank():
 
 
 def test_other_version_on_node_1_fails_clearly_on_every_rank():
-    writer = _our_writer(_writer_readers())
+    writer = _our_writer(WORLD)
     try:
         reports = run_group(["ours", "ours", "other", "other"], "none", writer.export_handle())
     finally:
@@ -497,7 +419,7 @@ def test_other_version_on_node_1_fails_clearly_on_every_rank():
 
 
 def test_a_relay_that_cannot_start_fails_every_rank_with_its_error():
-    writer = _our_writer(_writer_readers())
+    writer = _our_writer(WORLD)
     try:
         reports = run_group(["ours", "ours", "badrelay", "ours"], "none", writer.export_handle())
     finally:
@@ -546,11 +468,7 @@ def test_real_vllm_all_ranks_ours_roles_and_messages():
         WORLD, LOCAL, connect_ip="127.0.0.1", enable_shm_tensor_arena=True, max_chunk_bytes=MiB
     )
     assert type(q) is vllm_shm_arena.MessageQueue
-    if has_real_relay():
-        writer = q
-    else:
-        q.shutdown()
-        writer = _our_writer(_writer_readers())
+    writer = q
     try:
         reports = run_group(["ours"] * 4, "vllm", writer.export_handle(), writer)
     finally:
@@ -561,7 +479,7 @@ def test_real_vllm_all_ranks_ours_roles_and_messages():
 @pytest.mark.vllm
 @pytest.mark.skipif(not _vllm_available(), reason="vLLM not importable (make vllm-test)")
 def test_real_vllm_plugin_inactive_on_node_1_fails_clearly():
-    writer = _our_writer(_writer_readers())
+    writer = _our_writer(WORLD)
     try:
         reports = run_group(["ours", "ours", "vllm", "vllm"], "vllm", writer.export_handle())
     finally:
@@ -575,7 +493,7 @@ def test_real_vllm_plugin_inactive_on_node_1_fails_clearly():
 @pytest.mark.vllm
 @pytest.mark.skipif(not _vllm_available(), reason="vLLM not importable (make vllm-test)")
 def test_real_vllm_package_missing_on_node_1_fails_clearly():
-    writer = _our_writer(_writer_readers())
+    writer = _our_writer(WORLD)
     try:
         reports = run_group(["ours", "ours", "nopkg", "nopkg"], "vllm", writer.export_handle())
     finally:
