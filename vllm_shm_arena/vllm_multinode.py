@@ -42,11 +42,15 @@ Only the plugin imports this module; it imports neither vLLM nor the extension a
 
 from __future__ import annotations
 
+import logging
 import pickle
 from typing import Any
 
 import vllm_shm_arena
 
+#: The plugin's logger (vllm_plugin.PLUGIN_NAME): vLLM's logging configuration shows its lines
+#: in every process, a worker's included.
+logger = logging.getLogger("vllm.plugins.shm_tensor_arena")
 _PACKAGE_VERSION: str = vllm_shm_arena.__version__
 
 #: The ticket's format; bumped whenever ``JoinTicket``'s fields or C3's vote change meaning.
@@ -253,6 +257,7 @@ def _join_ours(pg, rank: int, world: int, writer_rank: int, ticket: JoinTicket, 
 
     mine = None  # the queue this rank built before C3 (a local reader or a relay)
     roles = None
+    downstream = None  # the relay's downstream handle, for its relayed ranks' votes
     try:
         if not ticket.matches():
             raise PluginMismatchError(
@@ -260,7 +265,6 @@ def _join_ours(pg, rank: int, world: int, writer_rank: int, ticket: JoinTicket, 
             )
         handle = ticket.handle()
         roles = Roles(handle.local_reader_ranks, world, writer_rank)
-        downstream = None
         if roles.node(rank) == 0:
             mine = ours_mq.create_from_handle(handle, rank)
         elif roles.local_world_size == 1:
@@ -291,6 +295,15 @@ def _join_ours(pg, rank: int, world: int, writer_rank: int, ticket: JoinTicket, 
         _shutdown_quietly(mine)
         raise PluginMismatchError(verdict)
     if mine is not None:
+        if downstream is not None:
+            arena = mine.arena.layout if mine.arena is not None else "none"
+            logger.info(
+                "vllm_shm_arena: rank %d relays the broadcast queue to ranks %s of its node "
+                "through the C++ shm tensor arena (%s): one TCP subscription for the node",
+                rank,
+                roles.members(roles.node(rank))[1:],
+                arena,
+            )
         return mine
     relay = roles.relay_of(rank)
     relayed = roles.members(roles.node(rank))[1:]

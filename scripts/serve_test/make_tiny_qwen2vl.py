@@ -7,7 +7,8 @@ What it writes (all made here, from fixed seeds, so two runs give the same model
 * ``config.json`` + ``model.safetensors``: ``Qwen2VLForConditionalGeneration`` with random
   weights, two text layers (hidden 128, 2 query and 2 key/value heads of 64: one of each per
   rank at TP=2, a head size the CPU attention backend takes) and one vision block (embed 64,
-  2 heads); mrope sections [8, 12, 12] (half the head size, as Qwen2-VL's [16, 24, 24] is for
+  2 heads); ``--heads 4`` doubles the widths for TP=4 (the two-node serve test); mrope
+  sections [8, 12, 12] (half the head size, as Qwen2-VL's [16, 24, 24] is for
   128); float32 (this CPU has no bf16 instructions).
 * ``tokenizer.json`` & co.: a byte-level BPE trained here with ``tokenizers`` on generated
   text, holding Qwen2-VL's special tokens (``<|im_start|>``, ``<|image_pad|>``, ...) and a
@@ -121,8 +122,10 @@ def build_tokenizer(out: str):
     return fast
 
 
-def build_model(out: str, tok) -> dict:
-    """Random-weight Qwen2-VL pointing at ``tok``'s special tokens; returns its config."""
+def build_model(out: str, tok, heads: int = 2) -> dict:
+    """Random-weight Qwen2-VL pointing at ``tok``'s special tokens; returns its config.
+    ``heads``: query (and key/value) heads of 64 in the text layers and heads of 32 in the
+    vision block, so that the tensor-parallel size may be up to ``heads``."""
     import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
@@ -131,11 +134,11 @@ def build_model(out: str, tok) -> dict:
     config = Qwen2VLConfig(
         text_config={
             "vocab_size": vocab,
-            "hidden_size": 128,
-            "intermediate_size": 256,
+            "hidden_size": 64 * heads,
+            "intermediate_size": 128 * heads,
             "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 2,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
             "max_position_embeddings": 8192,
             "max_window_layers": 2,
             "rope_parameters": {
@@ -150,10 +153,10 @@ def build_model(out: str, tok) -> dict:
         },
         vision_config={
             "depth": 1,
-            "embed_dim": 64,
-            "hidden_size": 128,
+            "embed_dim": 32 * heads,
+            "hidden_size": 64 * heads,
             "mlp_ratio": 2,
-            "num_heads": 2,
+            "num_heads": heads,
             "in_channels": 3,
             "patch_size": 14,
             "spatial_merge_size": 2,
@@ -224,9 +227,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="model directory to write")
     ap.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    ap.add_argument(
+        "--heads",
+        type=int,
+        default=2,
+        help="attention heads (text and vision): the largest tensor-parallel size it serves",
+    )
     args = ap.parse_args()
+    if args.heads < 1:
+        ap.error("--heads must be at least 1")
     stamp = os.path.join(args.out, ".made_by_sha256")
-    want = _this_file_hash()
+    want = _this_file_hash() + ("" if args.heads == 2 else f" heads={args.heads}")
     if not args.force and os.path.exists(stamp) and open(stamp).read().strip() == want:
         print(f"make_tiny_qwen2vl: {args.out} is up to date")
         return 0
@@ -234,7 +245,7 @@ def main() -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     tok = build_tokenizer(tmp)
-    info = build_model(tmp, tok)
+    info = build_model(tmp, tok, args.heads)
     build_processor(tmp, tok)
     info.update(self_check(tmp))
     with open(os.path.join(tmp, "serve_test_model_info.json"), "w") as f:

@@ -21,11 +21,15 @@ the links runs as a child on one of the nodes (``TwoNodes.popen`` / ``TwoNodes.p
 ``two_nodes_or_skip`` calls ``pytest.skip`` (with the reason) where the nodes cannot be made:
 not root, no ``ip netns``, namespaces not permitted (an unprivileged container). Port counters
 need ``nft``; ``TwoNodes.require_port_counters()`` skips where it is missing.
+
+pytest is imported only by the two functions that skip, so scripts outside the test suite (the
+two-node serve test) use ``TwoNodes`` without it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import itertools
 import os
@@ -36,8 +40,6 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "netns_nodes.sh"
 TESTS = Path(__file__).resolve().parent
@@ -46,6 +48,26 @@ TESTS = Path(__file__).resolve().parent
 QUEUE_ADDR = {0: "10.77.0.1", 1: "10.77.0.2"}
 QUEUE_ADDR6 = {0: "fd77::1", 1: "fd77::2"}
 OTHER_ADDR = {0: "10.78.0.1", 1: "10.78.0.2"}
+
+#: setns(2)'s namespace kinds (os.CLONE_* exist from Python 3.12 only).
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWNET = 0x20000, 0x4000000, 0x8000000, 0x40000000
+
+
+def _setns_fd(fd: int, kind: int, what: str) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, kind) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns({what}): {os.strerror(err)}")
+
+
+def _setns(path: str, kind: int) -> None:
+    """setns(2) into the namespace file ``path`` (libc through ctypes: os.setns is 3.12+)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _setns_fd(fd, kind, path)
+    finally:
+        os.close(fd)
+
 
 #: Numbers the default prefixes of this process's node sets.
 _SETS = itertools.count()
@@ -149,6 +171,8 @@ class TwoNodes:
         self.shm_size = shm_size
         self.private_tmp = private_tmp
         self.is_up = False
+        #: This thread's own network namespace while ``enter(mount=False)`` moved it.
+        self._home_net: int | None = None
 
     # ------------------------------------------------------------------ script
     def _env(self, **extra: str) -> dict[str, str]:
@@ -187,7 +211,9 @@ class TwoNodes:
         return self
 
     def down(self) -> None:
-        """Removes the nodes and ends anything still running on them. Idempotent."""
+        """Removes the nodes and ends anything still running on them (a thread that entered
+        one with ``enter(mount=False)`` first goes back to its own namespace). Idempotent."""
+        self.leave()
         self._script("down")
         self.is_up = False
 
@@ -244,6 +270,39 @@ class TwoNodes:
         kw.setdefault("text", True)
         return self.popen(node, [sys.executable, "-c", code, *args], **kw)
 
+    def enter(self, node: int, *, mount: bool = True) -> None:
+        """Moves the calling process onto ``node``: its network namespace, and with ``mount``
+        its mount, UTS and IPC namespaces too (its /dev/shm; then the working directory
+        becomes ``/``). The network namespace alone changes only the calling thread, so any
+        process may take it; the mount namespace needs a single-threaded process (a child
+        right after fork)."""
+        if not self.is_up:
+            raise RuntimeError("the nodes are not up")
+        if node not in (0, 1):
+            raise ValueError(f"node must be 0 or 1, got {node!r}")
+        state = f"/run/{self.prefix}-nodes"
+        files = [(f"/run/netns/{self.prefix}-n{node}", CLONE_NEWNET)]
+        if mount:
+            files += [
+                (f"{state}/n{node}.mnt", CLONE_NEWNS),
+                (f"{state}/n{node}.uts", CLONE_NEWUTS),
+                (f"{state}/n{node}.ipc", CLONE_NEWIPC),
+            ]
+        if not mount and self._home_net is None:
+            self._home_net = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+        for path, kind in files:
+            _setns(path, kind)
+
+    def leave(self) -> None:
+        """Takes the thread that called ``enter(mount=False)`` back to its own network
+        namespace (``down`` would otherwise end it with the node). No-op otherwise."""
+        if self._home_net is not None:
+            fd, self._home_net = self._home_net, None
+            try:
+                _setns_fd(fd, CLONE_NEWNET, "the original network namespace")
+            finally:
+                os.close(fd)
+
     # ------------------------------------------------------------------ counters
     @property
     def has_port_counters(self) -> bool:
@@ -253,6 +312,8 @@ class TwoNodes:
     def require_port_counters(self) -> None:
         """Skips the calling test when per-port counters are unavailable."""
         if not self.has_port_counters:
+            import pytest
+
             pytest.skip("per-port byte counters need nft (Debian: apt-get install nftables)")
 
     def watch(self, *ports: int) -> None:
@@ -271,6 +332,8 @@ def two_nodes_or_skip(**kw) -> Iterator[TwoNodes]:
     failure, not a skip."""
     why = unavailable_reason()
     if why is not None:
+        import pytest
+
         pytest.skip(why)
     with TwoNodes(**kw) as nodes:
         yield nodes

@@ -531,3 +531,12 @@ def test_real_vllm_handle_gets_vllms_queue_and_collectives(modes):
     ]
     for r, rep in reports.items():
         assert rep["collectives"] == vllms, (r, modes[r], rep["collectives"])
+
+
+def test_the_relay_logs_through_the_plugins_logger():
+    """vLLM's logging configuration shows ``vllm.*`` loggers in every process, workers
+    included: the relay's start-up line (the evidence, in a headless node's log, that its
+    node uses the arena) must go through the plugin's logger, not a name vLLM does not show."""
+    from vllm_shm_arena import vllm_multinode, vllm_plugin
+
+    assert vllm_multinode.logger.name == f"vllm.plugins.{vllm_plugin.PLUGIN_NAME}"
