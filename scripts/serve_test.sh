@@ -26,6 +26,8 @@ stage=${1:-all}
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
 VENV=${SERVE_VENV:-.venv-serve}
+# Absolute: some checks below run from another directory.
+case "$VENV" in /*) ;; *) VENV="$PWD/$VENV" ;; esac
 PY="$VENV/bin/python"
 MODEL_DIR=${SERVE_TEST_MODEL_DIR:-build/serve_test/tiny-qwen2vl}
 MODEL_DIR_TP4=${SERVE_TEST_MODEL_DIR_TP4:-build/serve_test/tiny-qwen2vl-tp4}

@@ -45,6 +45,11 @@ reads as "no plugin".
 * ``VLLM_SHM_ARENA_PY_REDUCER``: the pickler uses the Python reference ``reducer_override``
   instead of the C one (tests, comparison). Default: unset. Valid: ``1`` turns it on; any other
   value leaves it off. Read at import (pickler.py).
+* ``VLLM_SHM_ARENA_TCP_TIMEOUT_S``: a queue's TCP connection to another node that hears nothing
+  from the peer's kernel this long is dropped (TCP keepalive probes); a reader then raises
+  WriterDiedError after what arrived before, where a silent partition would otherwise leave it
+  waiting. Default: ``60``. Valid: a whole number of seconds >= 0 (0: the kernel's keepalive
+  settings). Read per remote socket (mq/transport.py).
 * ``VLLM_RINGBUFFER_WARNING_INTERVAL``: vLLM's: how often a reader waiting for a message logs
   that it is still waiting (vLLM's module constant wins when vLLM is loaded). Default: ``60``.
   Valid: a number of seconds >= 0. Read at import (mq/reader.py).
@@ -254,6 +259,17 @@ VARIABLES: tuple[Variable, ...] = (
         unset=False,
     ),
     Variable(
+        "VLLM_SHM_ARENA_TCP_TIMEOUT_S",
+        "`60`",
+        "a whole number of seconds >= 0 (0: the kernel's keepalive settings)",
+        "a queue's TCP connection to another node that hears nothing from the peer's kernel "
+        "this long is dropped (TCP keepalive probes); a reader then raises WriterDiedError "
+        "after what arrived before, where a silent partition would otherwise leave it waiting",
+        "per remote socket (mq/transport.py)",
+        _whole(0),
+        unset=60,
+    ),
+    Variable(
         "VLLM_RINGBUFFER_WARNING_INTERVAL",
         "`60`",
         "a number of seconds >= 0",
@@ -446,6 +462,11 @@ def debug_checksum(environ: Env = None) -> bool:
 def py_reducer(environ: Env = None) -> bool:
     """``VLLM_SHM_ARENA_PY_REDUCER``: True only for "1"."""
     return value("VLLM_SHM_ARENA_PY_REDUCER", environ)
+
+
+def tcp_timeout_s(environ: Env = None) -> int:
+    """``VLLM_SHM_ARENA_TCP_TIMEOUT_S``, whole seconds (0: the kernel's keepalive settings)."""
+    return value("VLLM_SHM_ARENA_TCP_TIMEOUT_S", environ)
 
 
 def ringbuffer_warning_interval(environ: Env = None) -> float:

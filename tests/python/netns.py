@@ -303,6 +303,24 @@ class TwoNodes:
             finally:
                 os.close(fd)
 
+    def partition(self, link: str = "q") -> None:
+        """Drops every packet on ``link`` in both nodes, both ways, from now on (a silent
+        partition: no reset, no ICMP; the sockets stay open). Needs nft."""
+        ifname = "vsa-q" if link == "q" else "vsa-o"
+        for n in (0, 1):
+            rules = (
+                f"add rule inet {self.prefix} in iifname {ifname} drop\n"
+                f"add rule inet {self.prefix} out oifname {ifname} drop\n"
+            )
+            subprocess.run(
+                ["ip", "netns", "exec", f"{self.prefix}-n{n}", "nft", "-f", "-"],
+                input=rules,
+                text=True,
+                check=True,
+                capture_output=True,
+                timeout=30,
+            )
+
     # ------------------------------------------------------------------ counters
     @property
     def has_port_counters(self) -> bool:

@@ -446,3 +446,41 @@ def test_a_process_that_takes_over_the_dead_writers_port_feeds_nothing(seed, kid
         imp.join(10)
     finally:
         r.shutdown()
+
+
+@pytest.mark.parametrize("timeout_s", [1, 3, 7, 60, 601])
+def test_keepalive_gives_up_after_about_the_configured_time(timeout_s):
+    """VLLM_SHM_ARENA_TCP_TIMEOUT_S -> the keepalive options: idle, then probes, spending at
+    most the configured time and at least half of it (probes are whole seconds)."""
+    import zmq
+
+    from vllm_shm_arena.mq import transport
+
+    opts = dict(transport.keepalive_options(timeout_s))
+    assert opts[zmq.TCP_KEEPALIVE] == 1
+    total = (
+        opts[zmq.TCP_KEEPALIVE_IDLE] + opts[zmq.TCP_KEEPALIVE_INTVL] * opts[zmq.TCP_KEEPALIVE_CNT]
+    )
+    assert timeout_s / 2 <= total <= max(timeout_s, 2), (opts, total)
+    assert transport.keepalive_options(0) == [(zmq.TCP_KEEPALIVE, 1)]
+
+
+def test_both_ends_of_a_remote_connection_send_keepalive_probes(monkeypatch):
+    """The writer's TCP socket and a remote reader's carry the keepalive options (a silent
+    partition is then seen within VLLM_SHM_ARENA_TCP_TIMEOUT_S: test_multinode_netns)."""
+    import zmq
+
+    from vllm_shm_arena import MessageQueue
+
+    monkeypatch.setenv("VLLM_SHM_ARENA_TCP_TIMEOUT_S", "12")
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    r = MessageQueue.create_from_handle(mq.export_handle(), 0)
+    try:
+        for sock in (mq.remote_socket, r.remote_socket):
+            assert sock.getsockopt(zmq.TCP_KEEPALIVE) == 1
+            assert sock.getsockopt(zmq.TCP_KEEPALIVE_IDLE) == 6
+            assert sock.getsockopt(zmq.TCP_KEEPALIVE_INTVL) == 1
+            assert sock.getsockopt(zmq.TCP_KEEPALIVE_CNT) == 6
+    finally:
+        r.shutdown()
+        mq.shutdown()

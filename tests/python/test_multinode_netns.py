@@ -157,3 +157,67 @@ def test_a_relay_carries_one_copy_per_node_over_the_link(relayed, ipv6):
     assert hits >= count and held >= 1 and bad == 0, out  # node 1's arena
     assert ends == ["shutdown"] * n_remote, ends
     assert payload < tx <= 1.2 * payload, tx / payload
+
+
+# Node 0: a writer with one remote reader; one message, then it stays alive (unreachable once
+# the link is cut) until its stdin closes.
+_PARTITION_WRITER = """
+import base64, pickle, sys
+from vllm_shm_arena import MessageQueue
+mq = MessageQueue(1, 0, connect_ip=sys.argv[1])
+print(base64.b64encode(pickle.dumps(mq.export_handle())).decode(), flush=True)
+mq.wait_until_ready(timeout=60)
+mq.enqueue({"i": 0}, timeout=60)
+sys.stdin.read()
+"""
+
+# Node 1: the remote reader; after the first message, waits for "go" (the link is cut), then
+# dequeues once more and says how that ended and after how long.
+_PARTITION_READER = """
+import base64, pickle, sys, time
+from vllm_shm_arena import MessageQueue, WriterDiedError
+r = MessageQueue.create_from_handle(pickle.loads(base64.b64decode(sys.stdin.readline())), 0)
+r.wait_until_ready(timeout=60)
+assert r.dequeue(timeout=60) == {"i": 0}
+print("got", flush=True)
+sys.stdin.readline()
+t0 = time.monotonic()
+try:
+    r.dequeue(timeout=float(sys.argv[1]))
+    print("message", flush=True)
+except WriterDiedError as e:
+    print("died", round(time.monotonic() - t0, 1), flush=True)
+except TimeoutError:
+    print("timeout", round(time.monotonic() - t0, 1), flush=True)
+"""
+
+
+def test_a_silent_partition_is_the_writers_death_for_a_remote_reader():
+    """The link between the nodes drops every packet (no reset, nothing the sockets see): a
+    remote reader waiting for its next message must not wait forever for a writer it can no
+    longer hear. With VLLM_SHM_ARENA_TCP_TIMEOUT_S=3 its TCP keepalive gives up after about
+    3 s and the reader raises WriterDiedError (without keepalive: its 30 s timeout)."""
+    wait_s = 30
+    with two_nodes_or_skip() as nodes:
+        nodes.require_port_counters()  # partition() uses nft
+        writer = nodes.python(0, _PARTITION_WRITER, nodes.addr(0), stdin=subprocess.PIPE)
+        env = dict(nodes.node_env(), VLLM_SHM_ARENA_TCP_TIMEOUT_S="3")
+        reader = nodes.python(1, _PARTITION_READER, str(wait_s), stdin=subprocess.PIPE, env=env)
+        try:
+            handle = writer.stdout.readline().strip()
+            assert handle, writer.communicate(timeout=30)[1]
+            reader.stdin.write(handle + "\n")
+            reader.stdin.flush()
+            assert reader.stdout.readline().split() == ["got"], reader.communicate(timeout=30)[1]
+            nodes.partition()
+            reader.stdin.write("go\n")
+            reader.stdin.flush()
+            out = reader.stdout.readline().split()
+            print(f"after the partition the reader's dequeue ended with {out}")
+            assert out[:1] == ["died"], (out, reader.communicate(timeout=30)[1])
+            assert float(out[1]) < wait_s
+        finally:
+            for p in (writer, reader):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()

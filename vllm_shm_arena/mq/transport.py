@@ -22,6 +22,11 @@ answers at the socket's address after the writer is gone is not the writer.
 a call uses a socket, so shutdown() from another thread does not close one under it: ZeroMQ
 sockets are not thread-safe); they register them in the end's ``Resources``.
 
+Every TCP socket sends keepalive probes (``tcp_keepalive``): a connection whose peer's kernel
+stays silent for ``VLLM_SHM_ARENA_TCP_TIMEOUT_S`` (a partition, a host that vanished) is
+dropped, which a remote reader sees as its writer's death. A slow reader is not silent: its
+kernel answers the probes (and acknowledges data) however long the process does not read.
+
 A remote reader's connection that drops is never resumed in order (a PUB socket does not
 replay what a subscriber missed): the reader delivers what arrived, then raises
 ``WriterDiedError``. Its receive queue holds at most SOCKET_HWM messages, so a reader that does
@@ -155,6 +160,30 @@ class Roster:
         return left
 
 
+def keepalive_options(timeout_s: int) -> list[tuple[int, int]]:
+    """The ZeroMQ options that drop a TCP connection whose peer's kernel answers nothing for
+    about ``timeout_s`` seconds: probes after ``timeout_s // 2`` idle, then every
+    ``timeout_s // 12`` (at least 1 s) until the rest of ``timeout_s`` is spent. 0: keepalive
+    on with the kernel's own times."""
+    if timeout_s <= 0:
+        return [(zmq.TCP_KEEPALIVE, 1)]
+    idle = max(1, timeout_s // 2)
+    interval = max(1, timeout_s // 12)
+    count = max(1, (timeout_s - idle) // interval)
+    return [
+        (zmq.TCP_KEEPALIVE, 1),
+        (zmq.TCP_KEEPALIVE_IDLE, idle),
+        (zmq.TCP_KEEPALIVE_INTVL, interval),
+        (zmq.TCP_KEEPALIVE_CNT, count),
+    ]
+
+
+def tcp_keepalive(sock) -> None:
+    """Keepalive on ``sock``'s TCP connections (set before bind/connect)."""
+    for opt, val in keepalive_options(settings.tcp_timeout_s()):
+        sock.setsockopt(opt, val)
+
+
 def _poll(
     life: Lifecycle, sock, deadline: float | None, what: str, idle: Callable[[], None] | None
 ):
@@ -218,6 +247,7 @@ class WriterSockets:
         address is bound as vLLM does: ``tcp://[addr]:port`` with ``zmq.IPV6`` set
         (``remote_ipv6`` then says so, for the handle)."""
         self.remote = self._xpub(SOCKET_HWM)
+        tcp_keepalive(self.remote)
         self.remote_ipv6 = is_ipv6(connect_ip)
         if self.remote_ipv6:
             self.remote.setsockopt(zmq.IPV6, 1)
@@ -380,6 +410,8 @@ class ReaderSocket:
         s.setsockopt(zmq.LINGER, 0)
         if ipv6:
             s.setsockopt(zmq.IPV6, 1)
+        if not local:
+            tcp_keepalive(s)
         if local or declare is not None:
             # The socket's name is gone once every reader connected, so a dropped connection is
             # never re-established by the writer: it is an error (seen through this monitor)
