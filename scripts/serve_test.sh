@@ -58,7 +58,7 @@ setup() {
   so=$(ls vllm_shm_arena/_C*.so 2>/dev/null | head -n1 || true)
   if [ -z "$so" ] || ! "$PY" -c "import vllm_shm_arena._ext" >/dev/null 2>&1 \
     || ! "$PY" -c "import importlib.metadata as m; m.version('vllm-shm-arena')" >/dev/null 2>&1 \
-    || ! (cd / && "$PY" -c "import os, sys, vllm_shm_arena as p; sys.exit(os.path.dirname(p.__file__) != sys.argv[1])" "$PWD/vllm_shm_arena") \
+    || ! (here=$PWD && cd / && "$PY" -c "import os, sys, vllm_shm_arena as p; sys.exit(os.path.dirname(p.__file__) != sys.argv[1])" "$here/vllm_shm_arena") \
     || [ -n "$(find csrc setup.py -newer "$so" -type f 2>/dev/null | head -n1)" ]; then
     echo "serve-test: building our extension (pip install --no-build-isolation --no-deps -e .)"
     MAX_JOBS=${MAX_JOBS:-1} "$PY" -m pip install -q --no-build-isolation --no-deps -e .
