@@ -251,6 +251,14 @@ def create_mq_broadcaster(
     return mq
 
 
+def relay_chunk_bytes() -> int:
+    """The relay's downstream ring chunk: the executor's ring's, as vLLM sizes it on node 0
+    (``VLLM_MQ_MAX_CHUNK_BYTES_MB``, default 16 MiB; the same environment on every node)."""
+    from vllm_shm_arena import settings
+
+    return (settings.mq_max_chunk_mb() or 16) << 20
+
+
 def _join_ours(pg, rank: int, world: int, writer_rank: int, ticket: JoinTicket, ours_mq) -> Any:
     """Our roles and C3. Nothing raises between C2 and C3: a failure is this rank's vote."""
     import torch.distributed as dist
@@ -271,7 +279,7 @@ def _join_ours(pg, rank: int, world: int, writer_rank: int, ticket: JoinTicket, 
             mine = ours_mq.create_from_handle(handle, rank)  # alone on its node: no relay
         elif roles.relay_of(rank) == rank:
             relayed = roles.members(roles.node(rank))[1:]
-            mine = ours_mq.create_relay(handle, rank, relayed)
+            mine = ours_mq.create_relay(handle, rank, relayed, max_chunk_bytes=relay_chunk_bytes())
             downstream = mine.downstream_handle
         vote = _vote(None, downstream)
     except Exception as e:

@@ -99,7 +99,16 @@ def node_metrics(prom_dir: str) -> dict[str, float]:
 class Node:
     """One node's ``vllm serve`` (node 0: the API server and engine; node 1: headless)."""
 
-    def __init__(self, nodes: TwoNodes, n: int, args, config: str, flag: str, log_path: str):
+    def __init__(
+        self,
+        nodes: TwoNodes,
+        n: int,
+        args,
+        config: str,
+        flag: str,
+        log_path: str,
+        extra_env: dict[str, str] | None = None,
+    ):
         self.nodes, self.n, self.args, self.config = nodes, n, args, config
         self.log_path = log_path
         self.prom_dir = tempfile.mkdtemp(prefix=f"vsa-mn-prom-{config}-n{n}-")
@@ -163,6 +172,7 @@ class Node:
                 "TRANSFORMERS_OFFLINE": "1",
             }
         )
+        self.env.update(extra_env or {})
 
     def start(self) -> None:
         log = open(self.log_path, "w")
@@ -258,6 +268,13 @@ class Node:
 # the queue's port
 
 
+def tcp_retransmits() -> int:
+    """TCP segments retransmitted so far in this process's network namespace (node 0's)."""
+    with open("/proc/self/net/snmp") as f:
+        rows = [ln.split() for ln in f if ln.startswith("Tcp:")]
+    return int(rows[1][rows[0].index("RetransSegs")])
+
+
 def _ss(*args: str) -> list[str]:
     r = subprocess.run(["ss", "-Htnp", *args], capture_output=True, text=True, timeout=30)
     return [ln for ln in r.stdout.splitlines() if ln.strip()]
@@ -339,6 +356,91 @@ def settle(base: str, nodes: list[Node], args) -> list[dict[str, float]]:
     raise st.CheckFailed(f"arena metrics still changing after {args.settle_rounds} rounds")
 
 
+#: The mismatch configuration: node 1 loads no vLLM plugin (VLLM_PLUGINS names none), node 0
+#: runs ours. Start-up must fail on both nodes, each log naming the mismatch.
+MISMATCH_ENV = {"VLLM_PLUGINS": ""}
+MISMATCH_LINE = "PluginMismatchError"
+
+
+def run_mismatch(nodes: TwoNodes, args) -> dict[str, Any]:
+    """Node 0 with the plugin, node 1 without, flag on: both must exit during start-up
+    (bounded), each log naming ``PluginMismatchError``; never a healthy server, never a
+    hang."""
+    config, flag = "mismatch", "--enable-shm-tensor-arena"
+    ns = [
+        Node(
+            nodes,
+            n,
+            args,
+            config,
+            flag,
+            os.path.join(args.log_dir, f"node{n}_{config}.log"),
+            MISMATCH_ENV if n == 1 else None,
+        )
+        for n in (0, 1)
+    ]
+    rec: dict[str, Any] = {
+        "config": config,
+        "flag": flag,
+        "node1_env": MISMATCH_ENV,
+        "logs": [os.path.relpath(nd.log_path, ROOT) for nd in ns],
+    }
+    print(f"serve-multinode [{config}]: node 0 with the plugin, node 1 without", flush=True)
+    t0 = time.monotonic()
+    for nd in ns:
+        nd.start()
+    base = f"http://127.0.0.1:{API_PORT}"
+    healthy = False
+    exited: dict[int, float] = {}
+    while time.monotonic() - t0 < args.startup_timeout and len(exited) < 2:
+        for nd in ns:
+            if nd.n not in exited and not nd.alive():
+                exited[nd.n] = round(time.monotonic() - t0, 1)
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                healthy = healthy or r.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        time.sleep(0.5)
+    rec["exited_after_s"] = {str(k): v for k, v in sorted(exited.items())}
+    rec["healthy"] = healthy
+    rec["rc"] = [nd.proc.returncode for nd in ns]
+    rec["stop"] = [nd.shutdown(args.stop_timeout) for nd in ns]
+    logs = [nd.log_text() for nd in ns]
+    rec["mismatch_lines"] = [
+        [ln[-300:] for ln in t.splitlines() if MISMATCH_LINE in ln][:3] for t in logs
+    ]
+    rec["shm_names_left"] = [nd.shm_names() for nd in ns]
+    for nd in ns:
+        shutil.rmtree(nd.prom_dir, ignore_errors=True)
+    print(
+        f"serve-multinode [{config}]: exited after {rec['exited_after_s']} s, rc {rec['rc']}",
+        flush=True,
+    )
+    return rec
+
+
+def mismatch_checks(rec: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    both = set(rec["exited_after_s"]) == {"0", "1"}
+    return [
+        (
+            "node 1 without the plugin: both nodes exit during start-up (no server, no hang)",
+            both and not rec["healthy"] and all(rc not in (None, 0) for rc in rec["rc"]),
+            json.dumps({k: rec[k] for k in ("exited_after_s", "healthy", "rc")}),
+        ),
+        (
+            "each node's log names PluginMismatchError",
+            all(rec["mismatch_lines"]),
+            json.dumps(rec["mismatch_lines"])[:600],
+        ),
+        (
+            "no vsa_ name left in either node's /dev/shm",
+            not any(rec["shm_names_left"]),
+            json.dumps(rec["shm_names_left"]),
+        ),
+    ]
+
+
 def run_config(nodes: TwoNodes, args, config: str, flag: str, plan: list[st.ImageRequest]):
     arena_on = config == "arena"
     base = f"http://127.0.0.1:{API_PORT}"
@@ -378,11 +480,12 @@ def run_config(nodes: TwoNodes, args, config: str, flag: str, plan: list[st.Imag
             r.pixel_values_bytes = r.patches * st.BYTES_PER_PATCH
             png = st.make_png(r.side, r.seed)
             r.png_bytes = len(png)
-            before = nodes.counters()
+            before, retrans = nodes.counters(), tcp_retransmits()
             res = st.chat_stream(
                 base, st.image_content(png), args.seed, args.max_tokens, args.request_timeout
             )
             sent = nodes.counters() - before
+            retrans = tcp_retransmits() - retrans
             r.ttft_s, r.e2e_s = res["ttft_s"], res["e2e_s"]
             r.token_ids, r.logprobs, r.text = res["token_ids"], res["logprobs"], res["text"]
             link = sent.tx(0, port) + sent.rx(0, port)
@@ -393,6 +496,7 @@ def run_config(nodes: TwoNodes, args, config: str, flag: str, plan: list[st.Imag
                 "other_ports_bytes_per_payload": {
                     str(p): (sent.tx(0, p) + sent.rx(0, p)) / r.pixel_values_bytes for p in others
                 },
+                "node0_tcp_retransmitted_segments": retrans,
                 "link_tcp_bytes_per_payload": (sent.tx(0, "tcp") + sent.rx(0, "tcp"))
                 / r.pixel_values_bytes,
                 "other_link_bytes_per_payload": (
@@ -608,8 +712,9 @@ def write_results(path_dir: str, result: dict[str, Any]) -> None:
         "## Per image",
         "",
         "| configuration | request | pixel_values | queue port bytes | / payload | all TCP on "
-        "the queue link / payload | other link / payload | arena node 0 | arena node 1 |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|",
+        "the queue link / payload | other link / payload | node 0 TCP retransmits | arena "
+        "node 0 | arena node 1 |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for c in result["configs"]:
         reqs = {r["key"]: r for r in c["requests"]}
@@ -621,9 +726,23 @@ def write_results(path_dir: str, result: dict[str, Any]) -> None:
                 f"| {c['config']} | {row['key']} | {pv:,} B | {row['queue_port_bytes']:,} | "
                 f"{row['queue_port_bytes_per_payload']:.4f} | "
                 f"{row['link_tcp_bytes_per_payload']:.4f} | "
-                f"{row['other_link_bytes_per_payload']:.3f} | {cells[0]} | {cells[1]} |"
+                f"{row['other_link_bytes_per_payload']:.3f} | "
+                f"{row.get('node0_tcp_retransmitted_segments', '-')} | {cells[0]} | {cells[1]} |"
             )
     tok = result["identical_tokens"]
+    mm = result.get("mismatch")
+    if mm:
+        md += [
+            "",
+            "## Node 1 without the plugin (`VLLM_PLUGINS=` there), flag on",
+            "",
+            f"Both nodes exited during start-up after {mm['exited_after_s']} s (node: seconds "
+            f"from the start), exit statuses {mm['rc']}, healthy: {mm['healthy']}. First "
+            "`PluginMismatchError` line of each node's log:",
+            "",
+        ]
+        for n, lines in enumerate(mm["mismatch_lines"]):
+            md.append(f"* node {n}: `{(lines[0] if lines else '(none)')[-260:]}`")
     md += [
         "",
         "## Identical outputs, flag on vs flag off",
@@ -669,7 +788,9 @@ def main() -> int:
     )
     ap.add_argument("--settle-rounds", type=int, default=8)
     ap.add_argument(
-        "--configs", default="arena,stock", help="which configurations, in order: arena,stock"
+        "--configs",
+        default="arena,stock,mismatch",
+        help="which configurations, in order: arena, stock, mismatch (node 1 without the plugin)",
     )
     ap.add_argument("extra_vllm_args", nargs="*", help="after --: more vllm serve arguments")
     args = ap.parse_args()
@@ -691,8 +812,12 @@ def main() -> int:
 
     flags = {"arena": "--enable-shm-tensor-arena", "stock": "--no-enable-shm-tensor-arena"}
     wanted = [c for c in args.configs.split(",") if c]
+    unknown = sorted(set(wanted) - {*flags, "mismatch"})
+    if unknown:
+        ap.error(f"unknown configuration(s): {unknown}")
     nodes = TwoNodes(prefix=PREFIX, rate=args.rate or None, other_link=True, shm_size=args.shm_size)
     configs = []
+    mismatch = None
     t_all = time.monotonic()
     try:
         nodes.up()
@@ -700,7 +825,10 @@ def main() -> int:
         # on 127.0.0.1); its mount namespace stays the host's, where /run/netns is.
         nodes.enter(0, mount=False)
         for config in wanted:
-            configs.append(run_config(nodes, args, config, flags[config], plan))
+            if config == "mismatch":
+                mismatch = run_mismatch(nodes, args)
+            else:
+                configs.append(run_config(nodes, args, config, flags[config], plan))
     finally:
         nodes.down()
 
@@ -708,6 +836,9 @@ def main() -> int:
     for rec in configs:
         for name, ok, detail in checks_for(rec, args):
             checks.append((rec["config"], name, ok, detail))
+    if mismatch is not None:
+        for name, ok, detail in mismatch_checks(mismatch):
+            checks.append(("mismatch", name, ok, detail))
     keys = [r.key for r in plan]
     outs = [
         {r["key"]: (tuple(r["token_ids"]), tuple(r["logprobs"])) for r in c["requests"]}
@@ -765,6 +896,7 @@ def main() -> int:
         "identical_tokens": identical,
         "checks": checks,
         "configs": configs,
+        "mismatch": mismatch,
     }
     write_results(args.results, result)
     for name, check, ok, detail in checks:

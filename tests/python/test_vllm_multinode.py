@@ -239,7 +239,7 @@ def _join(mode, backend, pg, external):
     ours_mq = MessageQueue
     if mode == "badrelay":
 
-        def no_relay(handle, rank, relayed):
+        def no_relay(handle, rank, relayed, **kw):
             raise OSError(f"rank {rank} cannot reach {handle.remote_subscribe_addr}")
 
         ours_mq = type("MessageQueue", (ours_mq,), {"create_relay": staticmethod(no_relay)})
@@ -540,3 +540,14 @@ def test_the_relay_logs_through_the_plugins_logger():
     from vllm_shm_arena import vllm_multinode, vllm_plugin
 
     assert vllm_multinode.logger.name == f"vllm.plugins.{vllm_plugin.PLUGIN_NAME}"
+
+
+def test_the_relays_ring_chunk_is_the_executors(monkeypatch):
+    """The relay's downstream ring takes the executor's chunk size (vLLM's
+    VLLM_MQ_MAX_CHUNK_BYTES_MB, 16 MiB by default), not a size of its own."""
+    from vllm_shm_arena import vllm_multinode
+
+    monkeypatch.delenv("VLLM_MQ_MAX_CHUNK_BYTES_MB", raising=False)
+    assert vllm_multinode.relay_chunk_bytes() == 16 << 20
+    monkeypatch.setenv("VLLM_MQ_MAX_CHUNK_BYTES_MB", "40")
+    assert vllm_multinode.relay_chunk_bytes() == 40 << 20
