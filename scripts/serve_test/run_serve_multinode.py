@@ -359,7 +359,7 @@ def settle(base: str, nodes: list[Node], args) -> list[dict[str, float]]:
 #: The mismatch configuration: node 1 loads no vLLM plugin (VLLM_PLUGINS names none), node 0
 #: runs ours. Start-up must fail on both nodes, each log naming the mismatch.
 MISMATCH_ENV = {"VLLM_PLUGINS": ""}
-MISMATCH_LINE = "PluginMismatchError"
+MISMATCH_LINE = "PluginMismatchError:"
 
 
 def run_mismatch(nodes: TwoNodes, args) -> dict[str, Any]:
