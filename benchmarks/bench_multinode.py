@@ -96,6 +96,13 @@ def _relayed(hq, index, n, q):
         pass
 
 
+def gap_s(size: int) -> float:
+    """The pause between two messages: 0.1 s per 8 MiB (at least 0.1 s), so that on two CPUs
+    a message has reached and been summed everywhere before the next (latency, not
+    queueing)."""
+    return max(0.1, 0.1 * size / (8 * MiB))
+
+
 def _on_node(nodes, node, target, *args):
     """A child's first step on the remote node: its namespaces (a forked child is
     single-threaded, so it may change its mount namespace), then ``target``."""
@@ -148,7 +155,7 @@ def run(n_remote: int, relay: bool, size: int, n: int, nodes=None) -> dict:
     base = link_bytes() or 0
     for _ in range(n):
         mq.enqueue({"t": t, "ts": time.monotonic_ns()}, timeout=120)
-        time.sleep(0.1)  # one message at a time: latency, not throughput
+        time.sleep(gap_s(size))  # one message at a time: latency, not throughput
     reps = [q.get(timeout=300) for _ in range(n_local + n_remote)]
     time.sleep(0.3)
     link = link_bytes()
@@ -198,7 +205,7 @@ def main() -> None:
         print("RATE is honoured by the two-node placement only; this run is loopback, unlimited")
     nodes = None
     if mode == "netns":
-        nodes = netns.TwoNodes(prefix="vsabench", rate=rate or None).up()
+        nodes = netns.TwoNodes(prefix="vsabench", rate=rate or None, shm_size="4g").up()
         # Before any queue exists: the zmq context's threads start in this namespace.
         nodes.enter(0, mount=False)
     rows = []
@@ -235,9 +242,10 @@ def main() -> None:
             "/ payload;",
         ]
     lines = where + [
-        f"{args.messages} messages per cell, 0.1 s apart; p50 latencies in ms. With fewer CPUs",
-        f"({os.cpu_count()} here) than readers, a message that takes longer than 0.1 s to reach",
-        "and sum everywhere makes the next ones wait: latencies then include queueing.",
+        f"{args.messages} messages per cell, 0.1 s apart per 8 MiB (`gap_s`); p50 latencies in",
+        f"ms. With fewer CPUs ({os.cpu_count()} here) than readers, a message that takes longer",
+        "than that to reach and sum everywhere makes the next ones wait: latencies then include",
+        "queueing.",
         f"Written by `benchmarks/bench_multinode.py --mode {mode}` ({time.strftime('%Y-%m-%d')}).",
         "",
         "| size MiB | remote node | relay | link bytes / payload | remote delivery | remote "

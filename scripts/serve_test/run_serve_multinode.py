@@ -96,7 +96,7 @@ def node_metrics(prom_dir: str) -> dict[str, float]:
     return out
 
 
-class Node:
+class Node(st.ProcessGroup):
     """One node's ``vllm serve`` (node 0: the API server and engine; node 1: headless)."""
 
     def __init__(
@@ -137,22 +137,7 @@ class Node:
             "0,1",
             "--enforce-eager",
             flag,
-            "--served-model-name",
-            st.SERVED_NAME,
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "4096",
-            "--max-num-batched-tokens",
-            "4096",
-            "--max-num-seqs",
-            "4",
-            "--limit-mm-per-prompt",
-            '{"image": 1, "video": 0}',
-            "--seed",
-            "0",
-            "--shutdown-timeout",
-            str(args.shutdown_timeout),
+            *st.model_args(args.shutdown_timeout),
         ]
         if n == 0:
             self.cmd += ["--host", "127.0.0.1", "--port", str(API_PORT)]
@@ -192,15 +177,6 @@ class Node:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def _group_alive(self) -> bool:
-        try:
-            os.killpg(self.proc.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-
     def shutdown(self, timeout: float, follow_s: float = 0.0) -> dict[str, Any]:
         """Waits up to ``follow_s`` for the process to end by itself (a headless node follows
         its head), else SIGINT; then waits (bounded) for the process and its whole group."""
@@ -232,25 +208,6 @@ class Node:
             self.kill()
         self.stop = out
         return out
-
-    def kill(self) -> None:
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def log_text(self) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    def log_tail(self, n: int = 50) -> str:
-        return "\n".join(self.log_text().splitlines()[-n:])
 
     def shm_names(self) -> list[str]:
         """``vsa_`` names in this node's private /dev/shm."""
@@ -474,12 +431,7 @@ def run_config(nodes: TwoNodes, args, config: str, flag: str, plan: list[st.Imag
         nodes.watch(*ports)
         prev = [_totals(m) for m in ([node_metrics(nd.prom_dir) for nd in ns])]
         for r in reqs:
-            h, w = st.smart_resize(r.side, r.side, args.min_pixels, args.max_pixels)
-            r.resized = (h, w)
-            r.patches = (h // st.PATCH) * (w // st.PATCH)
-            r.pixel_values_bytes = r.patches * st.BYTES_PER_PATCH
-            png = st.make_png(r.side, r.seed)
-            r.png_bytes = len(png)
+            png = st.prepare(r, args)
             before, retrans = nodes.counters(), tcp_retransmits()
             res = st.chat_stream(
                 base, st.image_content(png), args.seed, args.max_tokens, args.request_timeout
@@ -839,41 +791,8 @@ def main() -> int:
     if mismatch is not None:
         for name, ok, detail in mismatch_checks(mismatch):
             checks.append(("mismatch", name, ok, detail))
-    keys = [r.key for r in plan]
-    outs = [
-        {r["key"]: (tuple(r["token_ids"]), tuple(r["logprobs"])) for r in c["requests"]}
-        for c in configs
-    ]
-    differing = [
-        k
-        for k in keys
-        if any(len(o.get(k, ((),))[0]) != args.max_tokens for o in outs)
-        or any(o.get(k) != outs[0].get(k) for o in outs)
-    ]
-    distinct = {c["config"]: len(set(o.values())) for c, o in zip(configs, outs, strict=True)}
-    identical = {
-        "total": len(keys),
-        "identical": len(keys) - len(differing),
-        "differing": differing,
-        "distinct_outputs_per_config": distinct,
-    }
-    if len(configs) > 1:
-        checks.append(
-            (
-                "both",
-                f"identical token ids and logprobs, flag on vs off ({args.max_tokens} per request)",
-                not differing,
-                json.dumps(identical),
-            )
-        )
-    checks.append(
-        (
-            "both",
-            "the outputs depend on the image (a different token/logprob sequence per image)",
-            all(n == len(keys) for n in distinct.values()),
-            json.dumps(distinct),
-        )
-    )
+    identical, same = st.compare_outputs(configs, [r.key for r in plan], args.max_tokens)
+    checks += same
     passed = all(ok for _, _, ok, _ in checks)
     import importlib.metadata as md
 
@@ -899,12 +818,7 @@ def main() -> int:
         "mismatch": mismatch,
     }
     write_results(args.results, result)
-    for name, check, ok, detail in checks:
-        print(
-            f"serve-multinode: {'pass' if ok else 'FAIL'} [{name}] {check}"
-            + ("" if ok else f": {detail}"),
-            flush=True,
-        )
+    st.print_checks("serve-multinode", checks)
     print(
         f"serve-multinode: {'PASSED' if passed else 'FAILED'} in {result['duration_s']:.0f} s; "
         f"results in {os.path.relpath(args.results, ROOT)}/serve_multinode.{{md,json}}",

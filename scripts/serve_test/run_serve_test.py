@@ -248,7 +248,68 @@ def new_dev_shm_names(before: set[str]) -> tuple[list[str], list[str]]:
     return sorted((new & still) - alive), sorted(new & alive)
 
 
-class Server:
+def model_args(shutdown_timeout: int) -> list[str]:
+    """The ``vllm serve`` options both serve tests give the tiny model (flag aside)."""
+    return [
+        "--served-model-name",
+        SERVED_NAME,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "4096",
+        "--max-num-batched-tokens",
+        "4096",
+        "--max-num-seqs",
+        "4",
+        "--limit-mm-per-prompt",
+        '{"image": 1, "video": 0}',
+        "--seed",
+        "0",
+        "--shutdown-timeout",
+        str(shutdown_timeout),
+    ]
+
+
+class ProcessGroup:
+    """A process started in its own session (``proc``), logging to ``log_path``: what both
+    serve drivers need to stop it and read it."""
+
+    proc: subprocess.Popen | None
+    log_path: str
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group (failure path)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def log_text(self) -> str:
+        """The log so far."""
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def log_tail(self, n: int = 60) -> str:
+        """The last ``n`` lines of the log."""
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+
+class Server(ProcessGroup):
     """One ``vllm serve`` in its own process group, with its private directories."""
 
     def __init__(self, args: argparse.Namespace, config: str, flag: str, log_path: str):
@@ -292,22 +353,7 @@ class Server:
             "mp",
             "--enforce-eager",
             flag,
-            "--served-model-name",
-            SERVED_NAME,
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "4096",
-            "--max-num-batched-tokens",
-            "4096",
-            "--max-num-seqs",
-            "4",
-            "--limit-mm-per-prompt",
-            '{"image": 1, "video": 0}',
-            "--seed",
-            "0",
-            "--shutdown-timeout",
-            str(args.shutdown_timeout),
+            *model_args(args.shutdown_timeout),
         ]
         self.env = env
         self.proc: subprocess.Popen | None = None
@@ -356,15 +402,6 @@ class Server:
             time.sleep(0.2)
         self.startup_s = time.monotonic() - t0
 
-    def _group_alive(self) -> bool:
-        try:
-            os.killpg(self.proc.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-
     def shutdown(self) -> dict[str, Any]:
         """SIGINT, then waits (bounded) for the server and every process of its group."""
         out: dict[str, Any] = {"signal": "SIGINT"}
@@ -387,28 +424,6 @@ class Server:
             self.kill()
         self.stop = out
         return out
-
-    def kill(self) -> None:
-        """SIGKILL to the whole process group (failure path)."""
-        if self.proc is None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def log_text(self) -> str:
-        """The server's log so far."""
-        with open(self.log_path, errors="replace") as f:
-            return f.read()
-
-    def log_tail(self, n: int = 60) -> str:
-        """The last ``n`` lines of the server's log."""
-        return "\n".join(self.log_text().splitlines()[-n:])
 
     def cleanup_dirs(self) -> None:
         """Removes the private directories (after their contents were checked)."""
@@ -461,12 +476,8 @@ def run_config(args: argparse.Namespace, config: str, flag: str, plan: list[Imag
         base_metrics = read_metrics(srv.base)
         prev_hits, prev_bytes = _arena_totals(base_metrics)
         for r in reqs:
-            h, w = smart_resize(r.side, r.side, args.min_pixels, args.max_pixels)
-            r.resized = (h, w)
-            r.patches = (h // PATCH) * (w // PATCH)
-            r.pixel_values_bytes = r.patches * BYTES_PER_PATCH
-            png = make_png(r.side, r.seed)
-            r.png_bytes = len(png)
+            png = prepare(r, args)
+            h, w = r.resized
             res = chat_stream(
                 srv.base, image_content(png), args.seed, args.max_tokens, args.request_timeout
             )
@@ -714,6 +725,73 @@ def write_results(path_dir: str, result: dict[str, Any]) -> None:
         f.write("\n".join(md) + "\n")
 
 
+def compare_outputs(
+    configs: list[dict[str, Any]], keys: list[str], max_tokens: int
+) -> tuple[dict[str, Any], list[tuple[str, str, bool, str]]]:
+    """Per request, (token ids, logprobs) in every configuration: the summary and its checks
+    (identical everywhere, ``max_tokens`` each, when there are several configurations; and a
+    different output per image)."""
+    outs = [
+        {r["key"]: (tuple(r["token_ids"]), tuple(r["logprobs"])) for r in c["requests"]}
+        for c in configs
+    ]
+    differing = [
+        k
+        for k in keys
+        if any(len(o.get(k, ((),))[0]) != max_tokens for o in outs)
+        or any(o.get(k) != outs[0].get(k) for o in outs)
+    ]
+    distinct = {c["config"]: len(set(o.values())) for c, o in zip(configs, outs, strict=True)}
+    identical = {
+        "total": len(keys),
+        "identical": len(keys) - len(differing),
+        "differing": differing,
+        "distinct_outputs_per_config": distinct,
+    }
+    checks = []
+    if len(configs) > 1:
+        checks.append(
+            (
+                "both",
+                f"identical token ids and logprobs, flag on vs off ({max_tokens} per request)",
+                not differing,
+                json.dumps(identical),
+            )
+        )
+    # The comparison only detects corrupted pixel_values if the output depends on them: every
+    # request carries a different image, so every output must differ.
+    checks.append(
+        (
+            "both",
+            "the outputs depend on the image (a different token/logprob sequence per image)",
+            all(n == len(keys) for n in distinct.values()),
+            json.dumps(distinct),
+        )
+    )
+    return identical, checks
+
+
+def print_checks(prefix: str, checks: list[tuple[str, str, bool, str]]) -> None:
+    """One line per check: pass, or FAIL with its detail."""
+    for name, check, ok, detail in checks:
+        print(
+            f"{prefix}: {'pass' if ok else 'FAIL'} [{name}] {check}"
+            + ("" if ok else f": {detail}"),
+            flush=True,
+        )
+
+
+def prepare(r: ImageRequest, args: argparse.Namespace) -> bytes:
+    """Fills in ``r``'s resized size, patches and pixel_values bytes; returns its PNG."""
+    h, w = smart_resize(r.side, r.side, args.min_pixels, args.max_pixels)
+    r.resized = (h, w)
+    r.patches = (h // PATCH) * (w // PATCH)
+    r.pixel_values_bytes = r.patches * BYTES_PER_PATCH
+    png = make_png(r.side, r.seed)
+    r.png_bytes = len(png)
+    return png
+
+
 def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
@@ -783,42 +861,8 @@ def main() -> int:
     for rec in configs:
         for name, ok, detail in checks_for(rec, _queue_min_bytes()):
             checks.append((rec["config"], name, ok, detail))
-    keys = [r.key for r in plan]
-    # Per request: (token ids, their logprobs) in each configuration.
-    outs = [
-        {r["key"]: (tuple(r["token_ids"]), tuple(r["logprobs"])) for r in c["requests"]}
-        for c in configs
-    ]
-    differing = [
-        k
-        for k in keys
-        if len(outs[0].get(k, ((),))[0]) != args.max_tokens or outs[0].get(k) != outs[1].get(k)
-    ]
-    distinct = {c["config"]: len(set(o.values())) for c, o in zip(configs, outs, strict=True)}
-    identical = {
-        "total": len(keys),
-        "identical": len(keys) - len(differing),
-        "differing": differing,
-        "distinct_outputs_per_config": distinct,
-    }
-    checks.append(
-        (
-            "both",
-            f"identical token ids and logprobs, flag on vs off ({args.max_tokens} per request)",
-            not differing,
-            json.dumps(identical),
-        )
-    )
-    # The comparison only detects corrupted pixel_values if the output depends on them: every
-    # request carries a different image, so every output must differ.
-    checks.append(
-        (
-            "both",
-            "the outputs depend on the image (a different token/logprob sequence per image)",
-            all(n == len(keys) for n in distinct.values()),
-            json.dumps(distinct),
-        )
-    )
+    identical, same = compare_outputs(configs, [r.key for r in plan], args.max_tokens)
+    checks += same
     passed = all(ok for _, _, ok, _ in checks)
     result = {
         "passed": passed,
@@ -842,12 +886,7 @@ def main() -> int:
         "configs": configs,
     }
     write_results(args.results, result)
-    for name, check, ok, detail in checks:
-        print(
-            f"serve-test: {'pass' if ok else 'FAIL'} [{name}] {check}"
-            + ("" if ok else f": {detail}"),
-            flush=True,
-        )
+    print_checks("serve-test", checks)
     print(
         f"serve-test: {'PASSED' if passed else 'FAILED'}; results in "
         f"{os.path.relpath(args.results, ROOT)}/serve_test.{{md,json}}",

@@ -60,15 +60,6 @@ def _setns_fd(fd: int, kind: int, what: str) -> None:
         raise OSError(err, f"setns({what}): {os.strerror(err)}")
 
 
-def _setns(path: str, kind: int) -> None:
-    """setns(2) into the namespace file ``path`` (libc through ctypes: os.setns is 3.12+)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        _setns_fd(fd, kind, path)
-    finally:
-        os.close(fd)
-
-
 #: Numbers the default prefixes of this process's node sets.
 _SETS = itertools.count()
 
@@ -283,15 +274,24 @@ class TwoNodes:
         state = f"/run/{self.prefix}-nodes"
         files = [(f"/run/netns/{self.prefix}-n{node}", CLONE_NEWNET)]
         if mount:
+            # The mount namespace last: inside it the other namespace files are out of reach
+            # (netns_nodes.sh unmounts their directory there), so all are opened first.
             files += [
-                (f"{state}/n{node}.mnt", CLONE_NEWNS),
                 (f"{state}/n{node}.uts", CLONE_NEWUTS),
                 (f"{state}/n{node}.ipc", CLONE_NEWIPC),
+                (f"{state}/n{node}.mnt", CLONE_NEWNS),
             ]
         if not mount and self._home_net is None:
             self._home_net = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-        for path, kind in files:
-            _setns(path, kind)
+        fds = []
+        try:
+            for path, _ in files:
+                fds.append(os.open(path, os.O_RDONLY))
+            for fd, (path, kind) in zip(fds, files, strict=True):
+                _setns_fd(fd, kind, path)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def leave(self) -> None:
         """Takes the thread that called ``enter(mount=False)`` back to its own network
