@@ -47,6 +47,7 @@ import pickle
 from typing import Any
 
 import vllm_shm_arena
+from vllm_shm_arena import settings
 
 #: The plugin's logger (vllm_plugin.PLUGIN_NAME): vLLM's logging configuration shows its lines
 #: in every process, a worker's included.
@@ -254,8 +255,6 @@ def create_mq_broadcaster(
 def relay_chunk_bytes() -> int:
     """The relay's downstream ring chunk: the executor's ring's, as vLLM sizes it on node 0
     (``VLLM_MQ_MAX_CHUNK_BYTES_MB``, default 16 MiB; the same environment on every node)."""
-    from vllm_shm_arena import settings
-
     return (settings.mq_max_chunk_mb() or 16) << 20
 
 
@@ -309,7 +308,7 @@ def _join_ours(pg, rank: int, world: int, writer_rank: int, ticket: JoinTicket, 
                 "vllm_shm_arena: rank %d relays the broadcast queue to ranks %s of its node "
                 "through the C++ shm tensor arena (%s): one TCP subscription for the node",
                 rank,
-                roles.members(roles.node(rank))[1:],
+                relayed,
                 arena,
             )
         return mine

@@ -720,25 +720,16 @@ def main() -> int:
     ap.add_argument("--model", required=True, help="the tiny Qwen2-VL directory")
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks/results/serve_multinode"))
     ap.add_argument("--log-dir", default=os.path.join(ROOT, "build/serve_multinode"))
-    ap.add_argument("--per-kind", type=int, default=3, help="timed requests per image kind")
-    ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--omp-bind", default="0|1", help="VLLM_CPU_OMP_THREADS_BIND on each node")
-    ap.add_argument("--kv-cache-gib", type=int, default=1)
+    st.add_common_arguments(ap, per_kind=3, startup_timeout=900)
     ap.add_argument("--rate", default="", help="tc rate limit of the queue link, e.g. 10gbit")
     ap.add_argument("--shm-size", default="4g", help="each node's /dev/shm")
     ap.add_argument("--max-link-ratio", type=float, default=1.2)
-    ap.add_argument("--startup-timeout", type=float, default=900)
-    ap.add_argument("--request-timeout", type=float, default=300)
-    ap.add_argument("--stop-timeout", type=float, default=90)
-    ap.add_argument("--shutdown-timeout", type=int, default=20)
     ap.add_argument(
         "--follow-timeout",
         type=float,
         default=60,
         help="how long node 1 may take to end by itself once node 0 stopped (then SIGINT)",
     )
-    ap.add_argument("--settle-rounds", type=int, default=8)
     ap.add_argument(
         "--configs",
         default="arena,stock,mismatch",
@@ -749,18 +740,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print("serve-multinode: needs root (network and mount namespaces)", file=sys.stderr)
         return 2
-    args.model = os.path.abspath(args.model)
-    os.makedirs(args.log_dir, exist_ok=True)
-    with open(os.path.join(args.model, "processor_config.json")) as f:
-        size = json.load(f)["image_processor"]["size"]
-    args.min_pixels, args.max_pixels = size["shortest_edge"], size["longest_edge"]
-
-    seed_base = int(os.environ.get("SERVE_TEST_IMAGE_SEED", "20261201"))
-    print(f"serve-multinode: image seed {seed_base} (SERVE_TEST_IMAGE_SEED replays it)")
-    plan = [st.ImageRequest("typical", 0, st.IMAGE_KINDS["typical"], seed_base, warmup=True)]
-    for kind, side in st.IMAGE_KINDS.items():
-        for i in range(args.per_kind):
-            plan.append(st.ImageRequest(kind, i, side, seed_base + 1 + len(plan), warmup=False))
+    plan, seed_base = st.plan_requests(args, "serve-multinode")
 
     flags = {"arena": "--enable-shm-tensor-arena", "stock": "--no-enable-shm-tensor-arena"}
     wanted = [c for c in args.configs.split(",") if c]

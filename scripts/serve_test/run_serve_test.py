@@ -810,6 +810,44 @@ def _queue_min_bytes() -> int:
     return arena.VARIABLE_MIN_BYTES
 
 
+def add_common_arguments(ap: argparse.ArgumentParser, per_kind: int, startup_timeout: float):
+    """The options both serve drivers take (``per_kind``, ``startup_timeout``: their
+    defaults)."""
+    ap.add_argument("--per-kind", type=int, default=per_kind, help="timed requests per image kind")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=1234, help="sampling seed of every request")
+    ap.add_argument("--omp-bind", default="0|1", help="VLLM_CPU_OMP_THREADS_BIND (per node)")
+    ap.add_argument("--kv-cache-gib", type=int, default=1)
+    ap.add_argument("--startup-timeout", type=float, default=startup_timeout)
+    ap.add_argument("--request-timeout", type=float, default=300)
+    ap.add_argument("--stop-timeout", type=float, default=90)
+    ap.add_argument(
+        "--shutdown-timeout",
+        type=int,
+        default=20,
+        help="vllm serve --shutdown-timeout: lets the engine and workers close",
+    )
+    ap.add_argument("--settle-rounds", type=int, default=8)
+
+
+def plan_requests(args: argparse.Namespace, prefix: str) -> tuple[list[ImageRequest], int]:
+    """Makes ``args.model`` absolute and the log directory; reads the model's pixel limits
+    into ``args``; returns the requests (a warm-up, then ``args.per_kind`` per image kind)
+    and the image seed (``SERVE_TEST_IMAGE_SEED`` replays it)."""
+    args.model = os.path.abspath(args.model)
+    os.makedirs(args.log_dir, exist_ok=True)
+    with open(os.path.join(args.model, "processor_config.json")) as f:
+        size = json.load(f)["image_processor"]["size"]
+    args.min_pixels, args.max_pixels = size["shortest_edge"], size["longest_edge"]
+    seed_base = int(os.environ.get("SERVE_TEST_IMAGE_SEED", "20261201"))
+    print(f"{prefix}: image seed {seed_base} (SERVE_TEST_IMAGE_SEED replays it)", flush=True)
+    plan = [ImageRequest("typical", 0, IMAGE_KINDS["typical"], seed_base, warmup=True)]
+    for kind, side in IMAGE_KINDS.items():
+        for i in range(args.per_kind):
+            plan.append(ImageRequest(kind, i, side, seed_base + 1 + len(plan), warmup=False))
+    return plan, seed_base
+
+
 def main() -> int:
     """Runs both configurations, compares them, writes the results; exit 1 on any failure."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -821,34 +859,9 @@ def main() -> int:
         default="/dev/shm",
         help="tmpfs under which each run's private shm directory is made",
     )
-    ap.add_argument("--per-kind", type=int, default=5, help="timed requests per image kind")
-    ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=1234, help="sampling seed of every request")
-    ap.add_argument("--omp-bind", default="0|1")
-    ap.add_argument("--kv-cache-gib", type=int, default=1)
-    ap.add_argument("--startup-timeout", type=float, default=600)
-    ap.add_argument("--request-timeout", type=float, default=300)
-    ap.add_argument("--stop-timeout", type=float, default=90)
-    ap.add_argument(
-        "--shutdown-timeout",
-        type=int,
-        default=20,
-        help="vllm serve --shutdown-timeout: lets the engine and workers close",
-    )
-    ap.add_argument("--settle-rounds", type=int, default=8)
+    add_common_arguments(ap, per_kind=5, startup_timeout=600)
     args = ap.parse_args()
-    args.model = os.path.abspath(args.model)
-    os.makedirs(args.log_dir, exist_ok=True)
-    with open(os.path.join(args.model, "processor_config.json")) as f:
-        size = json.load(f)["image_processor"]["size"]
-    args.min_pixels, args.max_pixels = size["shortest_edge"], size["longest_edge"]
-
-    seed_base = int(os.environ.get("SERVE_TEST_IMAGE_SEED", "20261201"))
-    print(f"serve-test: image seed {seed_base} (SERVE_TEST_IMAGE_SEED replays it)", flush=True)
-    plan = [ImageRequest("typical", 0, IMAGE_KINDS["typical"], seed_base, warmup=True)]
-    for kind, side in IMAGE_KINDS.items():
-        for i in range(args.per_kind):
-            plan.append(ImageRequest(kind, i, side, seed_base + 1 + len(plan), warmup=False))
+    plan, seed_base = plan_requests(args, "serve-test")
 
     configs = []
     for config, flag in (

@@ -90,6 +90,19 @@ def pytest_generate_tests(metafunc):
         )
 
 
+@pytest.fixture
+def kids():
+    """Child processes of the test (fork by default; mq_helpers.Kids); all killed at
+    teardown."""
+    import mq_helpers
+
+    k = mq_helpers.Kids("fork")
+    try:
+        yield k
+    finally:
+        k.kill_all()
+
+
 @pytest.fixture(scope="session")
 def seed() -> int:
     """The session's random seed (printed so a failure can be replayed)."""

@@ -62,6 +62,20 @@ def read_and_report(r, name, seed, n, q, end_timeout=60.0, first_timeout=60.0, s
     )
 
 
+def _report_failure(q, name, e: BaseException) -> None:
+    """What ``read_and_report`` puts on ``q`` for a reader that failed before reading."""
+    q.put(
+        {
+            "name": name,
+            "count": 0,
+            "errors": [f"{type(e).__name__}: {e}"],
+            "held": 0,
+            "end": None,
+            "stats": {},
+        }
+    )
+
+
 def relay_node(handle, rank, relayed, seed, n, q, hq, go, end_timeout=60.0):
     """A remote node's relay: hands its downstream handle out on ``hq`` (once per relayed
     rank), reads as its node's worker, reports, then stays (its readers need it) until
@@ -70,32 +84,14 @@ def relay_node(handle, rank, relayed, seed, n, q, hq, go, end_timeout=60.0):
     try:
         relay = MessageQueue.create_relay(handle, rank, relayed)
     except BaseException as e:
-        q.put(
-            {
-                "name": f"relay{rank}",
-                "count": 0,
-                "errors": [f"{type(e).__name__}: {e}"],
-                "held": 0,
-                "end": None,
-                "stats": {},
-            }
-        )
+        _report_failure(q, f"relay{rank}", e)
         return
     for _ in relayed:
         hq.put(relay.downstream_handle)
     try:
         relay.wait_until_ready(timeout=60)
     except BaseException as e:
-        q.put(
-            {
-                "name": f"relay{rank}",
-                "count": 0,
-                "errors": [f"{type(e).__name__}: {e}"],
-                "held": 0,
-                "end": None,
-                "stats": {},
-            }
-        )
+        _report_failure(q, f"relay{rank}", e)
         return
     read_and_report(relay, f"relay{rank}", seed, n, q, end_timeout)
     go.wait(120)
@@ -109,16 +105,7 @@ def relayed_node(hq, index, seed, n, q, end_timeout=60.0, slow_s=0.0):
         r = MessageQueue.create_from_handle(hq.get(timeout=60), index)
         r.wait_until_ready(timeout=60)
     except BaseException as e:
-        q.put(
-            {
-                "name": f"relayed{index}",
-                "count": 0,
-                "errors": [f"{type(e).__name__}: {e}"],
-                "held": 0,
-                "end": None,
-                "stats": {},
-            }
-        )
+        _report_failure(q, f"relayed{index}", e)
         return
     read_and_report(r, f"relayed{index}", seed, n, q, end_timeout, slow_s=slow_s)
 
@@ -130,16 +117,7 @@ def plain_reader(handle, rank, seed, n, q, end_timeout=60.0):
         r = MessageQueue.create_from_handle(handle, rank)
         r.wait_until_ready(timeout=60)
     except BaseException as e:
-        q.put(
-            {
-                "name": f"reader{rank}",
-                "count": 0,
-                "errors": [f"{type(e).__name__}: {e}"],
-                "held": 0,
-                "end": None,
-                "stats": {},
-            }
-        )
+        _report_failure(q, f"reader{rank}", e)
         return
     read_and_report(r, f"reader{rank}", seed, n, q, end_timeout)
 

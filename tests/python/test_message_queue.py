@@ -38,16 +38,6 @@ SHM = Path(os.environ["VLLM_SHM_ARENA_SHM_DIR"])  # the session's private dir (c
 
 # ------------------------------------------------------------------------ fixtures / helpers
 @pytest.fixture
-def kids():
-    """Child processes of the test (fork by default); all killed at teardown."""
-    k = H.Kids("fork")
-    try:
-        yield k
-    finally:
-        k.kill_all()
-
-
-@pytest.fixture
 def geometry(monkeypatch):
     """``geometry(num_slots, slot_mb)``: the arena shape of writers made afterwards in this
     process (readers take it from the handle). The env variables only act at import."""

@@ -35,15 +35,6 @@ MiB = H.MiB
 LOOP = "127.0.0.1"
 
 
-@pytest.fixture
-def kids():
-    k = H.Kids("fork")
-    try:
-        yield k
-    finally:
-        k.kill_all()
-
-
 def get(q, timeout=90.0):
     return q.get(timeout=timeout)
 
