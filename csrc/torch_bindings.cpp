@@ -5,6 +5,8 @@
 //   csrc/bindings/stubs.{h,cpp}       the pickled form of an arena tensor: C reducer, stub rebuild
 //   csrc/bindings/message_bindings.*  the message ring and arena blobs (bound by bind_messages)
 //   csrc/bindings/gil.h               calls without the GIL (why none re-takes it in a destructor)
+//   csrc/bindings/call_safety.*       calls a signal handler's exception cannot split (bound by
+//                                     bind_call_safety)
 // and everything under them in csrc/core, which knows neither torch nor Python.
 #include <Python.h>
 #include <torch/extension.h>
@@ -14,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "bindings/call_safety.h"
 #include "bindings/gil.h"
 #include "bindings/message_bindings.h"
 #include "bindings/stubs.h"
@@ -116,7 +119,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "write_tensor",
           [](TensorArenaWriter& w, const at::Tensor& t) {
-            return with_nogil([&] { return w.write_tensor(t); });
+            return with_gated_nogil([&] { return w.write_tensor(t); });
           },
           py::arg("tensor"))
       // Packs a message's frames into one allocation (a blob) -> (slot, generation, nbytes) or
@@ -154,6 +157,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("slot_bytes", &TensorArenaWriter::max_allocation)
       .def_property_readonly("n_readers", &TensorArenaWriter::n_readers);
 
+  // What ArenaReader.hold_slots returns: its slots are released when it dies.
+  py::class_<SlotHolds, std::shared_ptr<SlotHolds>>(m, "SlotHolds");
   py::class_<TensorArenaReader, std::shared_ptr<TensorArenaReader>>(m, "ArenaReader")
       // Attaches reader `rank` of arena `name`; pins lazily, the whole data region at once
       // (pin_chunk_bytes 0) or in chunks of whole slots.
@@ -171,7 +176,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "flush_releases",
           [](TensorArenaReader& r, uintptr_t stream) {
-            return with_nogil([&] { return r.flush_releases(stream); });
+            return with_gated_nogil([&] { return r.flush_releases(stream); });
           },
           py::arg("stream") = 0)
       // A blob's frames copied out as bytearrays; the allocation is released on return
@@ -182,6 +187,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return arena_read_frames(r.core(), slot, generation, nbytes);
           },
           py::arg("slot"), py::arg("generation"), py::arg("nbytes"))
+      // Holds a message's (slot, generation) pairs until the returned object dies.
+      .def("hold_slots", &TensorArenaReader::hold_slots, py::arg("pairs"))
       // Releases a slot named in a message this reader failed to unpickle.
       .def("release_unacquired", &TensorArenaReader::release_unacquired, py::arg("slot"),
            py::arg("generation"))
@@ -200,6 +207,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // The message ring (RingWriter, RingReader, RING_FLAG_*): csrc/bindings/message_bindings.cpp.
   bind_messages(m);
+  // The call lock, whole-message socket sends and receives, the exit gate:
+  // csrc/bindings/call_safety.cpp.
+  bind_call_safety(m);
 
   // A queue's local-socket directory in the shm directory ("" = the default): fresh 0700,
   // its name held by a liveness token until remove() (core/socket_dir.h).

@@ -261,9 +261,12 @@ class Dumped:
         self.diverted = diverted
 
 
-def dump_message(obj: Any, arena: ShmTensorArena | None = None) -> Dumped:
+def dump_message(obj: Any, arena: ShmTensorArena | None = None, into: list | None = None) -> Dumped:
     """Pickles ``obj``; with an arena, large tensors go into it. Commit after dump: if
-    pickling fails part-way, every slot it had taken goes back to the arena."""
+    pickling fails part-way, every slot it had taken goes back to the arena. ``into``: the
+    caller's list, which gets the slots taken before this returns (inside the part whose
+    failure gives them back), so that an exception raised as this returns (a signal
+    handler's) leaves the caller knowing them; giving one back twice is harmless."""
     buffers: list = []
     f = io.BytesIO()
     if arena is None:
@@ -280,6 +283,8 @@ def dump_message(obj: Any, arena: ShmTensorArena | None = None) -> Dumped:
     p, bio, bufs = cached
     try:
         p.dump(obj)
+        if into is not None:
+            into.extend(p.diverted)
         out = Dumped(bio.getvalue(), list(bufs), list(p.diverted))
     except BaseException:
         arena._abort(p.diverted)

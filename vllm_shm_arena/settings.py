@@ -48,8 +48,15 @@ reads as "no plugin".
 * ``VLLM_SHM_ARENA_TCP_TIMEOUT_S``: a queue's TCP connection to another node that hears nothing
   from the peer's kernel this long is dropped (TCP keepalive probes); a reader then raises
   WriterDiedError after what arrived before, where a silent partition would otherwise leave it
-  waiting. Default: ``60``. Valid: a whole number of seconds >= 0 (0: the kernel's keepalive
-  settings). Read per remote socket (mq/transport.py).
+  waiting. Default: ``60``. Valid: a whole number of seconds from 0 to 65535 (0: the kernel's
+  keepalive settings; the kernel takes at most 32767 s of idle time, half of the timeout). Read
+  per remote socket (mq/transport.py).
+* ``VLLM_SHM_ARENA_TCP_SECURITY``: what a queue's TCP socket guarantees beyond both ends proving
+  the queue's secret (always): ``authenticated`` (messages in the clear, every frame a reader
+  acts on carries a MAC) or ``encrypted`` (CurveZMQ: confidentiality too, at a cost in
+  throughput; docs in the README). Readers follow the writer's choice (it travels in the
+  handle). Default: ``authenticated``. Valid: ``authenticated`` or ``encrypted``. Read per queue
+  created with remote readers (mq/writer.py).
 * ``VLLM_RINGBUFFER_WARNING_INTERVAL``: vLLM's: how often a reader waiting for a message logs
   that it is still waiting (vLLM's module constant wins when vLLM is loaded). Default: ``60``.
   Valid: a number of seconds >= 0. Read at import (mq/reader.py).
@@ -82,6 +89,9 @@ from dataclasses import dataclass
 from typing import Any
 
 _MIB = 1 << 20
+#: The largest VLLM_SHM_ARENA_TCP_TIMEOUT_S: half of it is the keepalive idle time, and the
+#: kernel refuses more than 32767 s there (MAX_TCP_KEEPIDLE), failing every connection.
+MAX_TCP_TIMEOUT_S = 65535
 
 
 @dataclass(frozen=True)
@@ -105,10 +115,10 @@ class Variable:
     empty_is_unset: bool = True
 
 
-def _whole(minimum: int) -> Callable[[str], int]:
+def _whole(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     def parse(raw: str) -> int:
         value = int(raw)  # ValueError for "64.5", "big"
-        if value < minimum:
+        if value < minimum or (maximum is not None and value > maximum):
             raise ValueError
         return value
 
@@ -129,10 +139,16 @@ def _seconds(raw: str) -> float:
     return value
 
 
-def _policy(raw: str) -> str:
-    if raw not in ("variable", "fixed"):
-        raise ValueError
-    return raw
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw not in allowed:
+            raise ValueError
+        return raw
+
+    return parse
+
+
+_policy = _choice("variable", "fixed")
 
 
 def _lenient_whole(raw: str) -> int | None:
@@ -261,13 +277,26 @@ VARIABLES: tuple[Variable, ...] = (
     Variable(
         "VLLM_SHM_ARENA_TCP_TIMEOUT_S",
         "`60`",
-        "a whole number of seconds >= 0 (0: the kernel's keepalive settings)",
+        "a whole number of seconds from 0 to 65535 (0: the kernel's keepalive settings; the "
+        "kernel takes at most 32767 s of idle time, half of the timeout)",
         "a queue's TCP connection to another node that hears nothing from the peer's kernel "
         "this long is dropped (TCP keepalive probes); a reader then raises WriterDiedError "
         "after what arrived before, where a silent partition would otherwise leave it waiting",
         "per remote socket (mq/transport.py)",
-        _whole(0),
+        _whole(0, MAX_TCP_TIMEOUT_S),
         unset=60,
+    ),
+    Variable(
+        "VLLM_SHM_ARENA_TCP_SECURITY",
+        "`authenticated`",
+        "`authenticated` or `encrypted`",
+        "what a queue's TCP socket guarantees beyond both ends proving the queue's secret "
+        "(always): `authenticated` (messages in the clear, every frame a reader acts on carries "
+        "a MAC) or `encrypted` (CurveZMQ: confidentiality too, at a cost in throughput; docs in "
+        "the README). Readers follow the writer's choice (it travels in the handle)",
+        "per queue created with remote readers (mq/writer.py)",
+        _choice("authenticated", "encrypted"),
+        unset="authenticated",
     ),
     Variable(
         "VLLM_RINGBUFFER_WARNING_INTERVAL",
@@ -467,6 +496,11 @@ def py_reducer(environ: Env = None) -> bool:
 def tcp_timeout_s(environ: Env = None) -> int:
     """``VLLM_SHM_ARENA_TCP_TIMEOUT_S``, whole seconds (0: the kernel's keepalive settings)."""
     return value("VLLM_SHM_ARENA_TCP_TIMEOUT_S", environ)
+
+
+def tcp_security(environ: Env = None) -> str:
+    """``VLLM_SHM_ARENA_TCP_SECURITY``: ``"authenticated"`` or ``"encrypted"``."""
+    return value("VLLM_SHM_ARENA_TCP_SECURITY", environ)
 
 
 def ringbuffer_warning_interval(environ: Env = None) -> float:

@@ -17,8 +17,10 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <exception>
 #include <optional>
+#include <stdexcept>
 #include <type_traits>
 #include <utility>
 #if defined(__GLIBCXX__)
@@ -92,6 +94,61 @@ auto with_nogil(F&& f) -> std::invoke_result_t<F&> {
     if (error) std::rethrow_exception(error);
     return std::move(*out);
   }
+}
+
+/// The queue's GIL-free waits and copies (ring reads and writes, arena copies), counted so that
+/// the exit hook can let no new one start and wait a bounded time for threads to leave theirs
+/// (mq/lifecycle.py's shutdown_at_exit): queues are then shut down cleanly, their sockets
+/// drained, rather than abandoned mid-call. Counted here, in C++, because a Python context
+/// manager around the call can be interrupted between its count and its call (a signal
+/// handler raising there leaves the count wrong for good); and reset in a forked child, which
+/// does not have the parent's threads that were inside one.
+class NoGilGate {
+ public:
+  static NoGilGate& instance() {
+    static NoGilGate* gate = [] {
+      auto* g = new NoGilGate();  // never destroyed: threads may use it during exit
+      pthread_atfork(nullptr, nullptr, [] { instance().inside_.store(0); });
+      return g;
+    }();
+    return *gate;
+  }
+
+  /// Before a call: std::runtime_error once closed (the interpreter is exiting).
+  void enter() {
+    if (closed_.load(std::memory_order_acquire)) {
+      throw std::runtime_error("MessageQueue was shut down (the interpreter is exiting)");
+    }
+    inside_.fetch_add(1, std::memory_order_acq_rel);
+  }
+  void leave() noexcept { inside_.fetch_sub(1, std::memory_order_acq_rel); }
+  int inside() const noexcept { return inside_.load(std::memory_order_acquire); }
+  void close() noexcept { closed_.store(true, std::memory_order_release); }
+  bool closed() const noexcept { return closed_.load(std::memory_order_acquire); }
+  /// Reopens it (tests).
+  void reopen() noexcept { closed_.store(false, std::memory_order_release); }
+
+ private:
+  NoGilGate() = default;
+  std::atomic<int> inside_{0};
+  std::atomic<bool> closed_{false};
+};
+
+/// with_nogil for the queue's waits and copies: counted by NoGilGate, refused once it closed.
+/// The count drops before the GIL is taken back, so the exit hook sees the thread leave as
+/// soon as its work is done.
+template <class F>
+auto with_gated_nogil(F&& f) -> std::invoke_result_t<F&> {
+  NoGilGate& gate = NoGilGate::instance();
+  gate.enter();
+  struct Leave {
+    NoGilGate& gate;
+    ~Leave() { gate.leave(); }
+  };
+  return with_nogil([&]() -> std::invoke_result_t<F&> {
+    Leave leave{gate};
+    return f();
+  });
 }
 
 }  // namespace vllm_shm_arena

@@ -98,7 +98,7 @@ py::list frames_as_bytearrays(const FrameSpans& spans) {
     dst[i] = PyByteArray_AS_STRING(ba);
   }
   try {
-    with_nogil([&] {
+    with_gated_nogil([&] {
       for (size_t i = 0; i < spans.size(); ++i) {
         if (spans[i].len > 0) parallel_copy(dst[i], spans[i].data, spans[i].len);
       }
@@ -135,7 +135,7 @@ class PyRingWriter {
     FrameSpans spans = frame_spans(frames, views);
     try {
       RingWriteStatus st =
-          with_nogil([&] { return core_->write(spans, flags, timeout_ns(timeout_s)); });
+          with_gated_nogil([&] { return core_->write(spans, flags, timeout_ns(timeout_s)); });
       switch (st) {
         case RingWriteStatus::kOk:
           return "ok";
@@ -153,14 +153,14 @@ class PyRingWriter {
 
   /// Publishes an empty marker chunk (the message itself travels over the socket).
   bool write_marker(uint32_t flags, double timeout_s) {
-    return with_nogil([&] { return core_->write_marker(flags, timeout_ns(timeout_s)); });
+    return with_gated_nogil([&] { return core_->write_marker(flags, timeout_ns(timeout_s)); });
   }
 
   /// Waits for the next chunk and holds it for the next write (see MessageRingWriter).
   bool reserve(double timeout_s) {
     core_->require_owner("reserve");
     if (core_->holds_reserved_chunk()) return true;  // no wait: keep the GIL
-    return with_nogil([&] { return core_->reserve(timeout_ns(timeout_s)); });
+    return with_gated_nogil([&] { return core_->reserve(timeout_ns(timeout_s)); });
   }
 
   void shutdown() { core_->shutdown(); }
@@ -187,17 +187,51 @@ class PyRingReader {
   /// ("ok", flags, [bytearray...]) / ("timeout", 0, None) / ("shutdown", 0, None) /
   /// ("writer_dead", 0, None) once the writer's process is gone and its messages were read.
   py::tuple read(double timeout_s) {
+    std::optional<py::tuple> got = take(timeout_s);
+    if (!got) return py::make_tuple(last_status_, 0, py::none());
+    return py::make_tuple("ok", (*got)[1], (*got)[2]);
+  }
+
+  /// Like read, but a message read goes straight into `sink` as sink.append({"seq": its
+  /// number in the ring (from 1), "flags": ..., "frames": [...]}) before this returns its
+  /// status: no Python code runs between the chunk's release and the message's arrival in the
+  /// caller's hands, so an exception a signal handler raises as the call returns cannot lose
+  /// it.
+  std::string read_into(double timeout_s, const py::object& sink) {
+    py::object append = sink.attr("append");  // before the read: a bad sink costs nothing
+    std::optional<py::tuple> got = take(timeout_s);
+    if (!got) return last_status_;
+    py::dict entry;
+    entry["seq"] = (*got)[0];
+    entry["flags"] = (*got)[1];
+    entry["frames"] = (*got)[2];
+    append(entry);
+    return "ok";
+  }
+
+  uint32_t rank() const { return core_->rank(); }
+  uint64_t consumed() const { return core_->consumed(); }
+  /// "alive", "dead" or "unknown": the ring writer's liveness token.
+  std::string writer_liveness() const { return liveness_name(core_->writer_liveness()); }
+
+ private:
+  /// The next message as (seq, flags, frames) with its chunk released, or nullopt and the
+  /// status in last_status_.
+  std::optional<py::tuple> take(double timeout_s) {
     const int64_t ns = timeout_ns(timeout_s);
-    RingMessage m = with_nogil([&] { return core_->acquire(ns); });
+    RingMessage m = with_gated_nogil([&] { return core_->acquire(ns); });
     switch (m.status) {
       case RingReader::Status::kOk:
         break;
       case RingReader::Status::kTimeout:
-        return py::make_tuple("timeout", 0, py::none());
+        last_status_ = "timeout";
+        return std::nullopt;
       case RingReader::Status::kShutdown:
-        return py::make_tuple("shutdown", 0, py::none());
+        last_status_ = "shutdown";
+        return std::nullopt;
       case RingReader::Status::kWriterDead:
-        return py::make_tuple("writer_dead", 0, py::none());
+        last_status_ = "writer_dead";
+        return std::nullopt;
     }
     py::list frames;
     try {
@@ -211,16 +245,11 @@ class PyRingReader {
       throw;
     }
     core_->release();
-    return py::make_tuple("ok", m.flags, frames);
+    return py::make_tuple(core_->consumed(), m.flags, frames);
   }
 
-  uint32_t rank() const { return core_->rank(); }
-  uint64_t consumed() const { return core_->consumed(); }
-  /// "alive", "dead" or "unknown": the ring writer's liveness token.
-  std::string writer_liveness() const { return liveness_name(core_->writer_liveness()); }
-
- private:
   std::unique_ptr<MessageRingReader> core_;
+  const char* last_status_ = "timeout";
 };
 
 }  // namespace
@@ -233,7 +262,7 @@ std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> arena_write_frames(Arena
   const uint64_t total = framed_size(spans);
   if (total > max_bytes) return std::nullopt;
   try {
-    return with_nogil([&]() -> std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> {
+    return with_gated_nogil([&]() -> std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> {
       std::optional<Allocation> a = writer.allocate(total);
       if (!a) return std::nullopt;
       pack_frames(a->data, spans);
@@ -302,6 +331,8 @@ void bind_messages(py::module_& m) {
            py::arg("rank"), py::arg("dir") = "")
       // Next message -> (status, flags, frames as bytearrays), chunk released at once.
       .def("read", &PyRingReader::read, py::arg("timeout_s"))
+      // Next message appended to sink as {"seq", "flags", "frames"} -> status ("ok", ...).
+      .def("read_into", &PyRingReader::read_into, py::arg("timeout_s"), py::arg("sink"))
       .def("consumed", &PyRingReader::consumed)
       // "alive" | "dead" | "unknown": the ring writer's liveness token.
       .def("writer_liveness", &PyRingReader::writer_liveness)

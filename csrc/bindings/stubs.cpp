@@ -197,7 +197,7 @@ PyObject* reducer_call(PyObject* capsule, PyObject* obj) {
       }
       uint64_t working_set = st->dump_copied + nbytes;
       std::optional<std::tuple<uint32_t, uint64_t>> res =
-          with_nogil([&] { return st->writer->write_checked(t, working_set); });
+          with_gated_nogil([&] { return st->writer->write_checked(t, working_set); });
       if (!res) Py_RETURN_NOTIMPLEMENTED;
       st->dump_copied = working_set;
       std::tie(slot, gen) = *res;

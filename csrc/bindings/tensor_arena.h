@@ -202,6 +202,18 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
 // ---------------------------------------------------------------------------------------
 // Reader side
 
+/// Slots a reader holds without a view (TensorArenaReader::hold_slots); released when it dies.
+struct SlotHolds {
+  explicit SlotHolds(std::shared_ptr<ReaderHolds> h) : holds(std::move(h)) {}
+  SlotHolds(const SlotHolds&) = delete;
+  SlotHolds& operator=(const SlotHolds&) = delete;
+  ~SlotHolds() {
+    for (const auto& [slot, generation] : held) holds->freed(slot, generation, /*gated=*/false);
+  }
+  std::shared_ptr<ReaderHolds> holds;
+  std::vector<std::pair<uint32_t, uint64_t>> held;
+};
+
 /// One reader rank: builds zero-copy tensors over slots and releases them when the last
 /// view dies (after the DMA that reads them, when the memory is pinned). How each hold ends,
 /// pinning included, is the core's ReaderHolds (core/reader_lifetime.h); this class adds the
@@ -264,6 +276,21 @@ class TensorArenaReader {
       holds_->freed(slot, h.generation, /*gated=*/false);  // no view existed: no DMA either
       throw;
     }
+  }
+
+  /// Holds (slot, generation) pairs (a message's slots, frame 0) without a view: the slots
+  /// stay this reader's, whatever becomes of the tensors an unpickling builds over them, until
+  /// the returned object dies. A reader takes them before it unpickles a message, so that an
+  /// unpickling a signal handler's exception cut short can run again (its tensors' releases
+  /// do not give the slots back). All or nothing: a pair that cannot be held releases those
+  /// taken and raises.
+  std::shared_ptr<SlotHolds> hold_slots(const std::vector<std::pair<uint32_t, uint64_t>>& pairs) {
+    auto out = std::make_shared<SlotHolds>(holds_);
+    for (const auto& [slot, generation] : pairs) {
+      holds_->acquire(slot, generation, 0, 0, /*dma=*/false);
+      out->held.emplace_back(slot, generation);
+    }
+    return out;
   }
 
   /// Releases slots whose tensors died and whose DMA (if pinned) has completed.

@@ -599,7 +599,8 @@ void ArenaWriter::abort(const Allocation& stub) {
   if (stub.slot >= gen_.size() || gen_[stub.slot] != stub.generation) return;  // recycled
   // Counters come from what allocate() handed out, not from the caller's copy.
   const Allocation& a = live_[stub.slot];
-  if (published_[a.slot]) {
+  const bool was_published = published_[a.slot];
+  if (was_published) {
     // Undo the publish counters: the allocation never reached anyone.
     --stats_.hits;
     stats_.bytes -= a.nbytes;
@@ -612,6 +613,9 @@ void ArenaWriter::abort(const Allocation& stub) {
     }
   }
   if (loan_hold_[a.slot]) {
+    // Given back already (a caller may give one back twice: the queue's settle after the
+    // pickler's own cleanup): nothing left to undo.
+    if (!was_published) return;
     // An aborted send of a loan: the writer still holds its view; unpublish, keep the loan.
     // SYNC POINT: relaxed; the stub never left this process, so no reader can be looking.
     slot_meta(region_->data(), geo_, a.slot)->published_gen.store(0, std::memory_order_relaxed);

@@ -122,7 +122,8 @@ class ArenaWriter {
   /// Makes a filled allocation visible to readers.
   void publish(const Allocation& a);
   /// Gives an unpublished — or published but never sent — allocation back at once. Only
-  /// `slot` and `generation` of `a` are read; a stale pair is ignored.
+  /// `slot` and `generation` of `a` are read; a stale pair is ignored, and giving one back twice
+  /// is harmless (the second call finds nothing to undo).
   void abort(const Allocation& a);
   /// allocate + parallel copy of `src` + publish; nullopt when declined. `working_set`: the
   /// bytes this copy and those just before it (one message's) write, for the copy's choice of

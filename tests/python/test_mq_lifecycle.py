@@ -12,8 +12,9 @@ import weakref
 
 import pytest
 
+from vllm_shm_arena._ext import _C
 from vllm_shm_arena.mq import lifecycle
-from vllm_shm_arena.mq.lifecycle import Lifecycle, NoGilCalls, Resources
+from vllm_shm_arena.mq.lifecycle import Lifecycle, Resources, call_timeout
 
 
 class FakeEnd:
@@ -50,89 +51,102 @@ class Closable:
 
 
 # ------------------------------------------------------------------ the gate
-def test_the_gate_counts_threads_inside_and_refuses_new_calls_once_closed():
-    sut = NoGilCalls()
-    entered, leave = threading.Event(), threading.Event()
+@pytest.fixture
+def ring_reader(tmp_path):
+    """A ring nobody writes to: its read(t) waits t seconds inside a gated GIL-free call. The
+    gate (process-wide) is open again afterwards."""
+    w = _C.RingWriter(1, 2, 4096, str(tmp_path))
+    r = _C.RingReader(w.name, 0, str(tmp_path))
+    yield r
+    _C.nogil_gate_reopen()
+    w.shutdown()
+    w.unlink()
 
-    def inside():
-        with sut:
-            entered.set()
-            leave.wait(10)
 
-    th = threading.Thread(target=inside, daemon=True)
+def _inside_a_gated_call(reader, seconds: float) -> threading.Thread:
+    th = threading.Thread(target=reader.read, args=(seconds,), daemon=True)
     th.start()
-    assert entered.wait(10)
+    deadline = time.monotonic() + 10
+    while _C.nogil_gate_inside() == 0:
+        assert time.monotonic() < deadline, "the thread never entered its call"
+        time.sleep(0.001)
+    return th
+
+
+def test_the_gate_counts_threads_inside_and_refuses_new_calls_once_closed(ring_reader):
+    th = _inside_a_gated_call(ring_reader, 1.5)
     t0 = time.monotonic()
-    assert sut.close_and_wait(0.2) == 1  # still inside after the bounded wait
+    assert _C.nogil_gate_close_and_wait(0.2) == 1  # still inside after the bounded wait
     assert time.monotonic() - t0 >= 0.15
     with pytest.raises(RuntimeError, match="interpreter is exiting"):
-        with sut:
-            pass
-    leave.set()
+        ring_reader.read(0.0)
     th.join(10)
-    assert sut.close_and_wait(5) == 0
+    assert _C.nogil_gate_close_and_wait(5) == 0
 
 
-def test_the_gate_wait_returns_as_soon_as_the_last_thread_leaves():
-    sut = NoGilCalls()
-    entered = threading.Event()
-
-    def inside():
-        with sut:
-            entered.set()
-            time.sleep(0.2)
-
-    th = threading.Thread(target=inside, daemon=True)
-    th.start()
-    assert entered.wait(10)
+def test_the_gate_wait_returns_as_soon_as_the_last_thread_leaves(ring_reader):
+    th = _inside_a_gated_call(ring_reader, 0.2)
     t0 = time.monotonic()
-    assert sut.close_and_wait(10) == 0
+    assert _C.nogil_gate_close_and_wait(10) == 0
     assert time.monotonic() - t0 < 5
     th.join(10)
 
 
+def test_a_child_forked_while_a_thread_is_inside_a_call_counts_none(ring_reader):
+    """Hole 11: the child has no such thread, so its exit hook must not wait for one, nor say
+    that one stayed (before: the inherited count made it wait 2 s and log a false warning)."""
+    th = _inside_a_gated_call(ring_reader, 1.0)
+    r, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        try:
+            t0 = time.monotonic()
+            left = _C.nogil_gate_close_and_wait(2.0)
+            os.write(wfd, f"{_C.nogil_gate_inside()} {left} {time.monotonic() - t0:.3f}".encode())
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    inside, left, waited = os.read(r, 100).decode().split()
+    os.waitpid(pid, 0)
+    os.close(r)
+    th.join(10)
+    assert (inside, left) == ("0", "0") and float(waited) < 1.0
+
+
 # ------------------------------------------------------------------ the exit hook
+class FakeGate:
+    def __init__(self, left=0):
+        self.left, self.calls = left, []
+
+    def __call__(self, wait_s):
+        self.calls.append(wait_s)
+        return self.left
+
+
 def test_the_exit_hook_wakes_then_closes_this_processs_ends(caplog):
     live = weakref.WeakSet()
     mine, failing, inherited = FakeEnd(), FakeEnd(fail=True), FakeEnd()
     inherited.lifecycle.pid = os.getpid() + 1  # as a forked child sees its parent's end
     for e in (mine, failing, inherited):
         live.add(e)
-    gate = NoGilCalls()
+    gate = FakeGate()
     with caplog.at_level(logging.DEBUG, logger="vllm_shm_arena"):
         lifecycle.shutdown_at_exit(live, gate, wait_s=1.0)
+    assert gate.calls == [1.0]  # the gate closed (and waited) before any end was closed
     assert mine.lifecycle.shutdown.is_set() and mine.closed_with == [1.5]
     assert failing.closed_with == [1.5]  # its failure did not stop the others
     assert "closing a queue at exit failed" in caplog.text
     assert not inherited.lifecycle.shutdown.is_set() and inherited.closed_with == []
-    with pytest.raises(RuntimeError):  # the gate is closed for good
-        with gate:
-            pass
 
 
 def test_the_exit_hook_says_when_a_thread_stays_inside_a_call(caplog):
     live = weakref.WeakSet()
     end = FakeEnd()
     live.add(end)
-    gate = NoGilCalls()
-    entered, leave = threading.Event(), threading.Event()
-
-    def stuck():
-        with gate:
-            entered.set()
-            leave.wait(10)
-
-    th = threading.Thread(target=stuck, daemon=True)
-    th.start()
-    assert entered.wait(10)
-    try:
-        with caplog.at_level(logging.WARNING, logger="vllm_shm_arena"):
-            lifecycle.shutdown_at_exit(live, gate, wait_s=0.1)
-        assert "1 thread(s) still inside a queue call at exit" in caplog.text
-        assert end.closed_with == [1.5]  # closed anyway (its calls are bounded)
-    finally:
-        leave.set()
-        th.join(10)
+    with caplog.at_level(logging.WARNING, logger="vllm_shm_arena"):
+        lifecycle.shutdown_at_exit(live, FakeGate(left=1), wait_s=0.1)
+    assert "1 thread(s) still inside a queue call at exit" in caplog.text
+    assert end.closed_with == [1.5]  # closed anyway (its calls are bounded)
 
 
 def test_the_registry_never_keeps_an_end_alive():
@@ -180,18 +194,42 @@ def test_the_finalizer_releases_the_resources_when_the_end_is_dropped():
 
 
 # ------------------------------------------------------------------ one end's lifecycle
-def test_take_honours_its_timeout_and_names_what_holds_the_lock():
+def test_a_calls_hold_honours_its_timeout_and_names_what_holds_the_lock():
     sut = Lifecycle(FakeEnd())
-    sut.take(None, "call")
+    taken = threading.Event()
+    done = threading.Event()
+
+    def holder():
+        with sut.call_lock.hold(call_timeout(None), "call"):
+            taken.set()
+            done.wait(10)
+
+    th = threading.Thread(target=holder, daemon=True)
+    th.start()
+    assert taken.wait(10)
     try:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="another thread's enqueue"):
-            sut.take(0.1, "enqueue")
+            with sut.call_lock.hold(call_timeout(0.1), "enqueue"):
+                pass
         assert time.monotonic() - t0 < 5
         with pytest.raises(TimeoutError):
-            sut.take(-1.0, "enqueue")  # a negative timeout: no wait at all
+            with sut.call_lock.hold(call_timeout(-1.0), "enqueue"):  # negative: no wait at all
+                pass
     finally:
-        sut.side_lock.release()
+        done.set()
+        th.join(10)
+    assert not sut.call_lock.locked()
+
+
+def test_a_call_from_inside_a_call_of_the_same_thread_is_refused_not_deadlocked():
+    sut = Lifecycle(FakeEnd())
+    with sut.call_lock.hold(call_timeout(None), "dequeue"):
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with sut.call_lock.hold(call_timeout(None), "dequeue"):
+                pass
+        assert sut.call_lock.locked()
+    assert not sut.call_lock.locked()
 
 
 def test_time_left_and_check_running():
@@ -214,23 +252,23 @@ def test_close_runs_the_ends_steps_once_under_its_lock_then_marks_the_resources_
     sut.resources.ctx = Closable(log, "ctx")
 
     def steps(drain_s):
-        log.append(("steps", drain_s, sut.side_lock.locked()))
+        log.append(("steps", drain_s, sut.call_lock.locked()))
 
     sut.close(2.0, steps)
     sut.close(2.0, steps)  # idempotent
     assert log == [("steps", 2.0, True), ("ctx", "term")]
-    assert sut.closed and not sut.finalizer.alive and not sut.side_lock.locked()
+    assert sut.closed and not sut.finalizer.alive and not sut.call_lock.locked()
 
 
 def test_close_does_not_wait_for_good_on_a_busy_lock():
     sut = FakeEnd().lifecycle
-    sut.side_lock.acquire()  # a call that never returns
+    sut.call_lock.acquire()  # a call that never returns
     seen = []
     t0 = time.monotonic()
-    sut.close(0.0, lambda d: seen.append(sut.side_lock.locked()))
+    sut.close(0.0, lambda d: seen.append(sut.call_lock.locked()))
     assert seen == [True] and time.monotonic() - t0 < 5
-    assert sut.side_lock.locked()  # the other call's lock is not released by close
-    sut.side_lock.release()
+    assert sut.call_lock.locked()  # the other call's lock is not released by close
+    sut.call_lock.release()
 
 
 def test_close_in_a_forked_child_does_nothing():

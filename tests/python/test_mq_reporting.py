@@ -102,11 +102,11 @@ def test_the_timer_skips_a_closed_end_and_a_busy_one(end):
     sut.maybe_report(end)
     end.clock.t += 0.5
     sut.maybe_report(end)
-    end.lifecycle.side_lock.acquire()  # the end is inside a call: that call reports
+    end.lifecycle.call_lock.acquire()  # the end is inside a call: that call reports
     try:
         FakeTimer.made[-1].fire()
     finally:
-        end.lifecycle.side_lock.release()
+        end.lifecycle.call_lock.release()
     assert end.reports == 1 and sut.timer is None
     sut.maybe_report(end)
     end.lifecycle.closed = True
@@ -147,7 +147,7 @@ def test_a_failing_report_never_leaves_the_timer_thread(end, caplog):
     with caplog.at_level(logging.DEBUG, logger="vllm_shm_arena"):
         report_from_timer(weakref.ref(end))
     assert "a timed stats report failed" in caplog.text
-    assert not end.lifecycle.side_lock.locked()
+    assert not end.lifecycle.call_lock.locked()
 
 
 def test_cancel_drops_the_report_owed(end):

@@ -9,6 +9,7 @@ hangs.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import random
@@ -21,6 +22,7 @@ import torch
 from mq_helpers import ready_in_threads
 
 from vllm_shm_arena import MessageQueue
+from vllm_shm_arena.mq import transport
 
 MiB = 1 << 20
 
@@ -44,8 +46,8 @@ def _close(*qs):
 
 
 class _Proxy:
-    """Stands in for one of the queue's objects (its ring, a socket) and calls ``hook`` around
-    one method, forwarding everything else."""
+    """Stands in for one of the queue's objects (its ring) and calls ``hook`` around one
+    method, forwarding everything else."""
 
     def __init__(self, inner, name, hook):
         self._inner, self._name, self._hook = inner, name, hook
@@ -57,6 +59,24 @@ class _Proxy:
         return lambda *a, **kw: self._hook(real, *a, **kw)
 
 
+@contextlib.contextmanager
+def _hook_send(sock, hook):
+    """Calls ``hook(real, frame, flags)`` for each frame the queue sends on ``sock`` (the
+    queue sends through pyzmq's C-level send, transport._SEND)."""
+    real = transport._SEND
+
+    def send(s, frame, flags):
+        if s is sock:
+            return hook(lambda *a: real(s, *a), frame, flags)
+        return real(s, frame, flags)
+
+    transport._SEND = send
+    try:
+        yield
+    finally:
+        transport._SEND = real
+
+
 # ------------------------------------------------------------------ a timed-out dequeue
 @pytest.mark.parametrize("arena", [False, True], ids=["socket", "arena"])
 def test_a_timed_out_dequeue_leaves_the_queue_as_it_was(arena):
@@ -65,15 +85,15 @@ def test_a_timed_out_dequeue_leaves_the_queue_as_it_was(arena):
     w, (r,) = _pair(arena=arena)
     release = threading.Event()
     sent_marker = threading.Event()
-    real_socket = w.local_socket
 
-    def hold_first(real, *a, **kw):
+    def hold_first(real, *a):
         if not release.is_set():
             sent_marker.set()
             assert release.wait(20)
-        return real(*a, **kw)
+        return real(*a)
 
-    w.local_socket = _Proxy(real_socket, "send", hold_first)
+    hook = _hook_send(w.local_socket, hold_first)
+    hook.__enter__()
     # Non-contiguous: the arena declines it, so it goes over the socket even with the arena on
     # (and then the message itself does not fit a 1 MiB chunk either way).
     base = torch.arange(2 * MiB, dtype=torch.int32).reshape(-1, 2)
@@ -103,7 +123,7 @@ def test_a_timed_out_dequeue_leaves_the_queue_as_it_was(arena):
         assert not errors, errors
     finally:
         release.set()
-        w.local_socket = real_socket
+        hook.__exit__(None, None, None)
         _close(w, r)
 
 
@@ -253,26 +273,23 @@ def test_an_exception_before_anything_was_sent_gives_the_slots_back():
 
 def test_an_interrupted_multipart_send_breaks_the_queue_instead_of_corrupting_it():
     w, (r,) = _pair(arena=False, chunk=64 << 10, chunks=4)
-    real_socket = w.local_socket
     calls = []
 
-    def interrupt_second_frame(real, *a, **kw):
+    def interrupt_second_frame(real, *a):
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real(*a, **kw)
+        return real(*a)
 
     try:
-        w.local_socket = _Proxy(real_socket, "send", interrupt_second_frame)
-        with pytest.raises(KeyboardInterrupt):
-            w.enqueue((b"z" * (200 << 10), torch.ones(64 << 10)), timeout=10)
-        w.local_socket = real_socket
+        with _hook_send(w.local_socket, interrupt_second_frame):
+            with pytest.raises(KeyboardInterrupt):
+                w.enqueue((b"z" * (200 << 10), torch.ones(64 << 10)), timeout=10)
         with pytest.raises(RuntimeError, match="broken"):
             w.enqueue("next", timeout=1)
         with pytest.raises(RuntimeError):  # a clear error, never a message made of two halves
             r.dequeue(timeout=10)
     finally:
-        w.local_socket = real_socket
         _close(w, r)
 
 
@@ -429,7 +446,8 @@ s.bind("ipc://" + sock_dir + "/s")
 print("BOUND", flush=True)
 end = time.monotonic() + 8
 while time.monotonic() < end:
-    s.send_multipart([b"", pickle.dumps(Evil())])
+    for head in (b"", os.urandom(24), os.urandom(40)):  # each shape a sealed head may have
+        s.send_multipart([head, pickle.dumps(Evil())])
     time.sleep(0.05)
 """
 
@@ -438,11 +456,11 @@ while time.monotonic() < end:
 def test_a_reader_never_takes_a_message_from_another_user_after_its_connection_drops(
     tmp_path, monkeypatch
 ):
-    """After ready, another uid tries to take the local socket's name (its directory) in a
-    world-writable shm directory; then the reader's connection drops while it waits for an
-    overflow message. The name must still be the queue's, and the reader must get a clear
-    error, never the other user's pickle (before: the directory was removed after ready, the
-    reader reconnected to the squatter and ran its pickle)."""
+    """After ready, another uid takes the local socket's name in a world-writable shm
+    directory (the queue removed its directory once its readers were in, so that a SIGKILL
+    leaves nothing); then the reader's connection drops while it waits for an overflow message,
+    and ZeroMQ reconnects it to the squatter. The reader must get a clear error, never the other
+    user's pickle: every frame it takes from a socket must carry its writer's MAC."""
     import subprocess
     import sys
     import tempfile
@@ -470,10 +488,10 @@ def test_a_reader_never_takes_a_message_from_another_user_after_its_connection_d
 
         w._end.ring.write_marker(_C.RING_FLAG_OVERFLOW, 5.0)
         w.local_socket.close(linger=0)
-        with pytest.raises(RuntimeError, match="connection|shut down"):
+        with pytest.raises(RuntimeError, match="connection|shut down|did not come from its"):
             r.dequeue(timeout=5)
         assert not os.path.exists(marker), "the reader unpickled another user's message"
-        assert line.startswith("BLOCKED"), line
+        assert line.startswith(("BOUND", "BLOCKED")), line
     finally:
         squatter.kill()
         squatter.wait(10)
@@ -484,12 +502,12 @@ def test_a_reader_never_takes_a_message_from_another_user_after_its_connection_d
 
 
 @pytest.mark.parametrize("where", ["local", "remote"])
-def test_a_socket_message_without_the_writers_token_is_never_unpickled(where, tmp_path):
-    """Whatever answers at the queue's socket address is not the writer unless its messages
-    start with the handle's random token: a reader joined with another token (what an
-    impostor has) gets a clear error and unpickles nothing. On the remote socket the writer
-    already refuses such a subscriber (its hello carries the token); the reader's own check
-    across a port taken over is test_multinode.py's."""
+def test_a_socket_message_not_sealed_with_the_readers_secret_is_never_unpickled(where, tmp_path):
+    """Whatever answers at the queue's socket address is not the writer unless it seals its
+    frames with the handle's secret: a reader joined with another secret (what an impostor
+    has) gets a clear error and unpickles nothing. On the remote socket the writer already
+    refuses such a subscriber at the handshake (its credentials derive from the secret); the
+    reader's own check across a port taken over is test_multinode.py's."""
     import dataclasses
 
     marker = tmp_path / "ran"
@@ -497,16 +515,21 @@ def test_a_socket_message_without_the_writers_token_is_never_unpickled(where, tm
         w = MessageQueue(1, 1, max_chunk_bytes=64 << 10, max_chunks=4)
     else:
         w = MessageQueue(1, 0, connect_ip="127.0.0.1")
-    h = dataclasses.replace(w.export_handle(), socket_token=b"\0" * 16)
+    h = dataclasses.replace(w.export_handle(), secret=b"\0" * 32)
     r = MessageQueue.create_from_handle(h, 0)
     if where == "remote":
         try:
-            with pytest.raises(RuntimeError, match="wrong socket token"):
-                w.wait_until_ready(timeout=10)
+            with pytest.raises(TimeoutError, match="wrong credentials"):
+                w.wait_until_ready(timeout=3)
+            assert w.stats()["tcp_refused"] >= 1
         finally:
             _close(w, r)
         return
-    ready_in_threads(w, [r])
+    t = threading.Thread(target=w.wait_until_ready, args=(10,), daemon=True)
+    t.start()
+    with pytest.raises(RuntimeError, match="a READY .*did not come from its writer"):
+        r.wait_until_ready(timeout=10)
+    t.join(10)
     try:
         w.enqueue((open, str(marker)), timeout=10)  # a message the impostor's reader unpacks
         w.enqueue(b"x" * (200 << 10), timeout=10)

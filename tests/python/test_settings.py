@@ -31,7 +31,8 @@ GOOD = {
     "VLLM_SHM_ARENA_MIN_MB": [("1", 1), ("64", 64)],
     "VLLM_SHM_ARENA_PIN": [("0", False), ("1", True), ("no", True)],
     "VLLM_SHM_ARENA_PIN_CHUNK_MB": [("0", 0), ("16", 16)],
-    "VLLM_SHM_ARENA_TCP_TIMEOUT_S": [("0", 0), ("3", 3), ("60", 60)],
+    "VLLM_SHM_ARENA_TCP_TIMEOUT_S": [("0", 0), ("3", 3), ("60", 60), ("65535", 65535)],
+    "VLLM_SHM_ARENA_TCP_SECURITY": [("authenticated", "authenticated"), ("encrypted", "encrypted")],
     "VLLM_SHM_ARENA_STREAM_MIN_MB": [("0", 0), ("7", 7)],
     "VLLM_SHM_ARENA_DEBUG_CHECKSUM": [("1", True), ("0", False), ("yes", False)],
     "VLLM_SHM_ARENA_PY_REDUCER": [("1", True), ("0", False)],
@@ -51,7 +52,10 @@ BAD = {
     "VLLM_SHM_ARENA_FREE_FRACTION": ["0", "-0.5", "1.5", "half", "nan", "inf"],
     "VLLM_SHM_ARENA_MIN_MB": ["0", "-1", "64.5", "big"],
     "VLLM_SHM_ARENA_PIN_CHUNK_MB": ["-1", "x"],
-    "VLLM_SHM_ARENA_TCP_TIMEOUT_S": ["-1", "2.5", "soon"],
+    # Hole 7: 65536 and up were accepted, and the kernel then refused every connection's
+    # keepalive idle time (half of it) silently.
+    "VLLM_SHM_ARENA_TCP_TIMEOUT_S": ["-1", "2.5", "soon", "65536", "100000"],
+    "VLLM_SHM_ARENA_TCP_SECURITY": ["none", "plain", "Encrypted", " authenticated"],
     "VLLM_SHM_ARENA_STREAM_MIN_MB": ["-1", "lots", "3.5"],
     "VLLM_RINGBUFFER_WARNING_INTERVAL": ["-1", "nan", "soon"],
 }

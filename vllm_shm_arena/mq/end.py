@@ -1,7 +1,7 @@
 """``End``: what every queue end has, whatever its role.
 
-A role (writer.py: the writer; reader.py: a node-local or a remote reader; a multi-node relay
-would be one more) is a subclass whose constructor sets exactly its state, and implements the
+A role (writer.py: the writer; reader.py: a node-local or a remote reader; relay.py: a remote
+node's relay) is a subclass whose constructor sets exactly its state, and implements the
 calls of its role. The calls of other roles fail here with the error the queue has always
 raised, so no method tests a role flag: ``MessageQueue`` (message_queue.py) delegates every
 call to its end.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from vllm_shm_arena.mq.lifecycle import Lifecycle
+from vllm_shm_arena.mq.lifecycle import Lifecycle, call_timeout
 from vllm_shm_arena.mq.reporting import Reporter
 
 
@@ -41,11 +41,8 @@ class End:
     def wait_until_ready(self, timeout: float | None = None) -> None:
         """The handshake of this end's role, under its call lock."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        self.lifecycle.take(timeout, "call")
-        try:
+        with self.lifecycle.call_lock.hold(call_timeout(timeout), "call"):
             self._handshake(deadline)
-        finally:
-            self.lifecycle.side_lock.release()
 
     def _handshake(self, deadline: float | None) -> None:
         raise NotImplementedError

@@ -2,10 +2,11 @@
 nobody ends it.
 
 * ``Lifecycle``: per end, the owning pid (a forked child inherits objects, not roles), the
-  shutdown flag every wait checks, the lock that serialises the end's calls, and the
+  shutdown flag every wait checks, the lock that serialises the end's calls (``_C.CallLock``:
+  taken and released in C, so a signal handler's exception never leaves it held), and the
   ``Resources`` a ``weakref.finalize`` releases when the end is dropped unclosed.
-* ``NOGIL``: the gate around the ``_C`` calls that release the GIL; the exit hook closes it.
-* ``shutdown_at_exit``: the ``atexit`` hook that shuts down this process's live ends.
+* ``shutdown_at_exit``: the ``atexit`` hook that shuts down this process's live ends (it
+  closes the extension's gate of GIL-released calls first).
 
 An end (see end.py) is anything with a ``lifecycle``, a ``close(drain_s)`` and a
 ``CLOSE_DRAIN_S``; ``Lifecycle`` registers it in ``LIVE`` (weakly).
@@ -19,7 +20,10 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
+
+from vllm_shm_arena._ext import _C
 
 logger = logging.getLogger("vllm_shm_arena")
 
@@ -30,59 +34,33 @@ EXIT_WAIT_S = 2.0
 #: How long the writer's shutdown() waits for queued socket frames to reach the readers.
 DRAIN_S = 5.0
 
-
-class NoGilCalls:
-    """Counts threads inside the ``_C`` calls that release the GIL (ring waits, copies).
-
-    The bindings already make such a call safe at interpreter exit (a thread coming back
-    after finalization began parks instead of taking the GIL; see ``with_nogil`` in
-    csrc/bindings/gil.h). This gate is about the queue: the exit hook closes it, so no
-    new call starts, and waits a bounded time until no thread is inside one, so queues are
-    shut down cleanly (their sockets drained) rather than abandoned mid-call.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._inside = 0
-        self._closed = False
-
-    def __enter__(self) -> None:
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("MessageQueue was shut down (the interpreter is exiting)")
-            self._inside += 1
-
-    def __exit__(self, *exc) -> None:
-        with self._cond:
-            self._inside -= 1
-            if self._inside == 0:
-                self._cond.notify_all()
-
-    def close_and_wait(self, timeout: float) -> int:
-        """Lets no new call start; waits up to ``timeout`` s -> threads still inside."""
-        with self._cond:
-            self._closed = True
-            self._cond.wait_for(lambda: self._inside == 0, timeout)
-            return self._inside
-
-
-NOGIL = NoGilCalls()
 #: Every queue end this process built, for the exit hook (weak: never keeps one alive).
 LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+def call_timeout(timeout: float | None) -> float:
+    """A call's ``timeout`` as ``CallLock.hold`` takes it: < 0 waits without limit."""
+    return -1.0 if timeout is None else max(timeout, 0.0)
+
+
 def shutdown_at_exit(
-    live: weakref.WeakSet = LIVE, gate: NoGilCalls = NOGIL, wait_s: float = EXIT_WAIT_S
+    live: weakref.WeakSet = LIVE,
+    close_and_wait: Callable[[float], int] | None = None,
+    wait_s: float = EXIT_WAIT_S,
 ) -> None:
     """Shuts down this process's live queue ends before Python finalizes: wakes blocked
     waits, lets no new GIL-released call start, and waits a bounded time for threads to
-    leave the ones they are in."""
+    leave the ones they are in (``close_and_wait``: the extension's gate, counted in C++ so
+    that neither a signal handler's exception nor a fork can leave the count wrong; see
+    ``NoGilGate`` in csrc/bindings/gil.h)."""
+    if close_and_wait is None:
+        close_and_wait = _C.nogil_gate_close_and_wait
     pid = os.getpid()
     # A forked child's inherited queues belong to its parent: leave them alone.
     ends = [e for e in list(live) if e.lifecycle.pid == pid]
     for e in ends:
         e.lifecycle.shutdown.set()  # every wait loop checks it at least once per WAIT_SLICE_S
-    left = gate.close_and_wait(wait_s)
+    left = close_and_wait(wait_s)
     if left:
         logger.warning(
             "vllm_shm_arena: %d thread(s) still inside a queue call at exit after %.0f s",
@@ -149,8 +127,10 @@ class Lifecycle:
         self.shutdown = threading.Event()
         self.closed = False
         # Serialises the end's calls (enqueue and wait_until_ready on the writer, dequeue on a
-        # reader) and the timed report: the C++ ring ends are single-threaded.
-        self.side_lock = threading.Lock()
+        # reader) and the timed report: the C++ ring ends are single-threaded. A call holds it
+        # with ``call_lock.hold(call_timeout(timeout), what)``, a with-block whose taking and
+        # letting go are C; a nested call of the same thread (a signal handler) is refused.
+        self.call_lock = _C.CallLock()
         self.resources = Resources(self.pid)
         self.finalizer = weakref.finalize(owner, Resources.release, self.resources)
         # Not at exit on its own: the exit hook runs it after waking blocked threads.
@@ -160,12 +140,6 @@ class Lifecycle:
     def in_owner(self) -> bool:
         """Whether this process built the end (not a forked child holding a copy)."""
         return os.getpid() == self.pid
-
-    def take(self, timeout: float | None, what: str) -> None:
-        """Takes the call lock within ``timeout`` (None: no limit), or raises TimeoutError
-        naming the ``what`` another thread is in."""
-        if not self.side_lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
-            raise TimeoutError(f"timed out waiting for another thread's {what} on this queue")
 
     def check_running(self) -> None:
         """``RuntimeError`` once the queue was shut down."""
@@ -198,10 +172,10 @@ class Lifecycle:
         self.closed = True
         # A call of this end in another thread sees the shutdown flag within one wait slice and
         # returns; waiting for it (bounded) means the ring and sockets are not closed under it.
-        side_locked = self.side_lock.acquire(timeout=10 * WAIT_SLICE_S)
+        call_locked = self.call_lock.acquire(timeout=10 * WAIT_SLICE_S)
         try:
             close_locked(drain_s)
             self.finalizer()  # everything is closed already; marks it done
         finally:
-            if side_locked:
-                self.side_lock.release()
+            if call_locked:
+                self.call_lock.release()

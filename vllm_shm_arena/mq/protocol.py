@@ -1,6 +1,7 @@
-"""What a queue's writer and its readers agree on: the handle a reader joins with, the frames
-of a message, the ring's markers, the socket's token and last frame, and the errors a reader
-raises when the writer is gone.
+"""What a queue's writer and its readers agree on: the handle a reader joins with and the
+keys its secret derives, the frames of a message, the ring's markers, how socket frames are
+sealed (sequence number and MAC), the hello, and the errors a reader raises when the writer is
+gone.
 
 A message is a list of frames::
 
@@ -11,12 +12,34 @@ A message is a list of frames::
 It travels one of three ways: in a ring chunk (when it fits), as a ring marker naming an arena
 blob that holds all its frames (``BLOB_FLAGS``, one frame: ``BLOB_MARKER``), or as a ring
 marker (``FLAG_OVERFLOW``) announcing it on the local socket; remote readers get every message
-on their socket. On a socket, frame 0 starts with the handle's random token.
+on their socket.
+
+Whom a reader trusts: its writer, and nobody else. The ring and the arena are shared memory
+this uid alone can map (0600, names unlinked once the readers are in). A socket is another
+matter: whatever answers at its address is believed by ZeroMQ (a TCP port a dead writer freed,
+a socket name another user created after the writer removed its directory). So every frame a
+reader acts on from a socket is sealed by the writer with a MAC keyed by the handle's secret
+(``Keys.mac_key``, which never travels on any connection) over the frame and the message's
+sequence number, and the reader checks it before anything is unpickled:
+
+    frame 0 on a socket   MAC (16 bytes) | sequence number (<Q) | the arena slots
+                          MAC = keyed BLAKE2b over (sequence number, slots, frame count,
+                          the pickle stream); the out-of-band buffers are raw bytes that are
+                          never unpickled, so they need none
+    READY                 READY_FRAME | MAC of the queue's READY
+    SHUTDOWN              SHUTDOWN_FRAME | the last sequence number sent (<Q) | its MAC
+
+Sequence numbers count the messages a queue sent, from 1. A remote reader takes exactly the
+last + 1 (a gap or a repeat is an error naming both); a local reader takes, from the socket,
+the message its ring announced with that number. The writer's own peer check (who may
+subscribe to its TCP socket) is transport.py's: ZeroMQ's ZAP with per-rank credentials the
+secret derives (``Keys``).
 
 A TCP subscriber declares the reader ranks it covers (a remote reader: its own; a relay: its
-node's) with a second subscription beside the one that receives everything: its topic is a
-hello (``hello_topic``: magic, protocol version, the handle's token, the ranks) that no message
-can match (every message starts with the token, a hello with the magic).
+node's, its own first) with a second subscription beside the one that receives everything: its
+topic is a hello (``hello_topic``: magic, protocol version, the ranks); the writer binds it to
+the principal ZAP authenticated (the hello's first rank is that principal's). A subscriber
+matching both of its subscriptions still gets each message once.
 
 A relay forwards the end of its upstream downstream as one last message, a ``StreamEnd``
 (the reason: the writer died, or the relay could not forward a message), which a node-local
@@ -25,6 +48,8 @@ reader raises instead of returning.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass, field
 
@@ -37,22 +62,36 @@ FLAG_BLOB = _C.RING_FLAG_BLOB
 BLOB_FLAGS = FLAG_OVERFLOW | FLAG_BLOB
 #: The one frame of a blob marker: the blob's slot, generation and bytes.
 BLOB_MARKER = struct.Struct("<QQQ")
-#: Bytes of the random token that starts every socket message (see Handle.socket_token).
-TOKEN_BYTES = 16
-#: The writer's last frame on every socket (followed by the token): no message follows. Never
-#: a real message, which has at least two frames (header, pickle).
-SHUTDOWN_FRAME = b"VSA-SHUTDOWN"
-#: The writer's first frame on every socket, once every reader subscribed.
-READY_FRAME = b"READY"
 
-#: A TCP subscriber's hello (see the module docstring): magic, version, token, rank count,
-#: then that many ranks (<I each).
+#: Bytes of a queue's secret (``Handle.secret``).
+SECRET_BYTES = 32
+#: Bytes of a frame's MAC (128 bits).
+MAC_BYTES = 16
+#: A sequence number (messages sent so far, the first is 1).
+SEQ = struct.Struct("<Q")
+#: The sealed head of frame 0 on a socket: MAC, then the sequence number.
+SEALED_HEAD = MAC_BYTES + SEQ.size
+#: The writer's first frame on every socket, once every reader subscribed (then its MAC).
+READY_FRAME = b"VSA-READY"
+#: The writer's last frame on every socket: no message follows (then the last sequence number
+#: and its MAC). Never a real message, which has at least two frames (header, pickle).
+SHUTDOWN_FRAME = b"VSA-SHUTDOWN"
+
+#: A TCP subscriber's hello (see the module docstring): magic, version, rank count, then that
+#: many ranks (<I each). Version 2: the per-queue token is gone (ZAP authenticates the peer).
 HELLO_MAGIC = b"VSA-HELLO\x00"
-HELLO_VERSION = 1
-HELLO_HEAD = struct.Struct(f"<{len(HELLO_MAGIC)}sB{TOKEN_BYTES}sH")
+HELLO_VERSION = 2
+HELLO_HEAD = struct.Struct(f"<{len(HELLO_MAGIC)}sBH")
 HELLO_RANK = struct.Struct("<I")
 #: Most ranks one hello may declare.
 HELLO_MAX_RANKS = 4096
+#: The largest subscription a hello makes (the subscribe byte, head, ranks): the writer's TCP
+#: socket takes no larger message from anyone (``ZMQ_MAXMSGSIZE``).
+HELLO_MAX_BYTES = 1 + HELLO_HEAD.size + HELLO_MAX_RANKS * HELLO_RANK.size
+
+#: ``Handle.tcp_security``: every TCP peer proves the secret (PLAIN credentials, MACs); or that
+#: plus CurveZMQ encryption of the connection.
+TCP_SECURITY = ("authenticated", "encrypted")
 
 #: The public names below live in ``vllm_shm_arena.message_queue`` (the facade re-exports
 #: them): pickles and tracebacks name them where users import them from.
@@ -61,16 +100,22 @@ _PUBLIC_MODULE = "vllm_shm_arena.message_queue"
 
 @dataclass
 class Handle:
-    """What a reader needs to join a queue (picklable; works with fork and spawn)."""
+    """What a reader needs to join a queue (picklable; works with fork and spawn).
+
+    A credential: whoever holds it can join the queue and read every message (the secret
+    derives the readers' TCP credentials and the key of every frame's MAC). Hand it only to
+    the queue's readers; its ``repr`` leaves the secret out.
+    """
 
     local_reader_ranks: list[int] = field(default_factory=list)
     buffer_handle: tuple | None = None  # (ring shm name, shm dir)
     local_subscribe_addr: str | None = None
     remote_subscribe_addr: str | None = None
     remote_addr_ipv6: bool = False
-    #: Starts every message on the queue's sockets: a reader takes a socket message only
-    #: from the writer that made its handle (protect the handle like the queue itself).
-    socket_token: bytes = b""
+    #: The queue's random secret (``SECRET_BYTES``): see ``Keys``.
+    secret: bytes = field(default=b"", repr=False)
+    #: ``TCP_SECURITY``: what the remote socket adds to authentication (the writer's setting).
+    tcp_security: str = "authenticated"
     tensor_arena_handle: ArenaHandle | None = None
 
 
@@ -80,6 +125,146 @@ class WriterDiedError(RuntimeError):
 
 
 Handle.__module__ = WriterDiedError.__module__ = _PUBLIC_MODULE
+
+
+def _derive(secret: bytes, label: bytes) -> bytes:
+    return hmac.digest(secret, b"vllm_shm_arena/" + label, "sha256")
+
+
+class Keys:
+    """What a queue's secret derives (each a one-way function of it, so one leaking reveals
+    neither the secret nor another):
+
+    * ``mac_key``: keys every sealed frame's MAC. Never sent anywhere.
+    * ``plain_password(user)``: the PLAIN password of TCP principal ``user`` (a reader's or a
+      relay's own rank, in decimal). Sent to whatever answers at the writer's address (PLAIN
+      authenticates the client only), which is why it cannot forge a MAC.
+    * ``curve_server()`` / ``curve_client(rank)``: CurveZMQ key pairs (z85), for the
+      encrypted setting.
+    """
+
+    __slots__ = ("_secret", "mac_key")
+
+    def __init__(self, secret: bytes) -> None:
+        secret = bytes(secret)
+        if len(secret) != SECRET_BYTES:
+            raise ValueError(
+                f"a queue handle's secret has {len(secret)} bytes, not {SECRET_BYTES} (a handle "
+                "from another version of vllm_shm_arena?)"
+            )
+        self._secret = secret
+        self.mac_key = _derive(secret, b"mac")
+
+    def plain_password(self, user: bytes) -> bytes:
+        return _derive(self._secret, b"plain/" + bytes(user)).hex().encode()
+
+    def _curve_pair(self, label: bytes) -> tuple[bytes, bytes]:
+        import zmq
+        from zmq.utils import z85
+
+        secret = z85.encode(_derive(self._secret, b"curve/" + label))
+        return zmq.curve_public(secret), secret
+
+    def curve_server(self) -> tuple[bytes, bytes]:
+        """The writer's (public, secret) CurveZMQ keys, z85."""
+        return self._curve_pair(b"server")
+
+    def curve_client(self, rank: int) -> tuple[bytes, bytes]:
+        """Principal ``rank``'s (public, secret) CurveZMQ keys, z85."""
+        return self._curve_pair(b"client/%d" % rank)
+
+    def __repr__(self) -> str:
+        return "Keys(<secret>)"
+
+
+def _mac(key: bytes, person: bytes, *parts) -> bytes:
+    h = hashlib.blake2b(key=key, digest_size=MAC_BYTES, person=person)
+    for p in parts:
+        h.update(p)
+    return h.digest()
+
+
+_NFRAMES = struct.Struct("<I")
+
+
+def seal(key: bytes, seq: int, frames: list) -> bytes:
+    """Frame 0 of ``frames`` as sent on a socket: MAC, sequence number, the arena slots."""
+    head = SEQ.pack(seq) + bytes(frames[0])
+    return _mac(key, b"vsa-message", head, _NFRAMES.pack(len(frames)), frames[1]) + head
+
+
+class Forged(RuntimeError):
+    """A frame on a queue's socket that its writer did not send (a wrong MAC, or a shape the
+    writer never sends): whatever answers at the socket's address is not the writer."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"MessageQueue: {what} on the queue's socket did not come from its writer (its "
+            "authentication failed); nothing of it was used. Whatever answers at the writer's "
+            "address now is not the writer: recreate the queue"
+        )
+
+
+def unseal(key: bytes, frames: list) -> tuple[int, memoryview]:
+    """Checks a message's frames from a socket -> (sequence number, frame 0 without the sealed
+    head); ``Forged`` unless the writer sealed them."""
+    head = memoryview(frames[0])
+    if len(head) < SEALED_HEAD or len(frames) < 2:
+        raise Forged("a message of a shape the writer never sends")
+    want = _mac(key, b"vsa-message", head[MAC_BYTES:], _NFRAMES.pack(len(frames)), frames[1])
+    if not hmac.compare_digest(want, head[:MAC_BYTES]):
+        raise Forged("a message")
+    return SEQ.unpack_from(head, MAC_BYTES)[0], head[SEALED_HEAD:]
+
+
+def ready_frame(key: bytes) -> bytes:
+    """The writer's READY, sealed."""
+    return READY_FRAME + _mac(key, b"vsa-ready")
+
+
+def shutdown_frame(key: bytes, last_seq: int) -> bytes:
+    """The writer's last frame: the last sequence number it sent, sealed."""
+    s = SEQ.pack(last_seq)
+    return SHUTDOWN_FRAME + s + _mac(key, b"vsa-shutdown", s)
+
+
+def control_frame(key: bytes, frame) -> tuple[str, int]:
+    """A one-frame message from a socket -> ("ready", 0) or ("shutdown", last sequence
+    number); ``Forged`` for anything else."""
+    b = bytes(frame)
+    if b.startswith(READY_FRAME):
+        if hmac.compare_digest(b, ready_frame(key)):
+            return "ready", 0
+        raise Forged("a READY")
+    if b.startswith(SHUTDOWN_FRAME) and len(b) == len(SHUTDOWN_FRAME) + SEQ.size + MAC_BYTES:
+        seq = SEQ.unpack_from(b, len(SHUTDOWN_FRAME))[0]
+        if hmac.compare_digest(b, shutdown_frame(key, seq)):
+            return "shutdown", seq
+        raise Forged("a SHUTDOWN")
+    raise Forged("a frame of a shape the writer never sends")
+
+
+class SequenceError(RuntimeError):
+    """A remote reader's messages skipped or repeated a sequence number: some were lost on the
+    way (its TCP connection dropped while they were sent). Raised after every message before
+    the gap was delivered; nothing after it is."""
+
+    def __init__(self, last: int, got: int) -> None:
+        if got > last + 1:
+            what = (
+                f"message {got} arrived after message {last}: {got - last - 1} message(s) "
+                f"({last + 1}..{got - 1}) were lost on the way"
+            )
+        else:
+            what = f"message {got} arrived again after message {last}"
+        super().__init__(
+            f"MessageQueue: {what} (the TCP connection to the writer dropped while they were "
+            "sent: a publisher does not resend what a subscriber missed). Messages up to "
+            f"{last} were delivered; none after. Recreate the queue"
+        )
+
+
+SequenceError.__module__ = Forged.__module__ = _PUBLIC_MODULE
 
 
 def connection_lost_error() -> RuntimeError:
@@ -119,26 +304,24 @@ class ShutDownByWriter(RuntimeError):
     """The writer's last frame arrived on the socket: it shut the queue down."""
 
 
-def hello_topic(token: bytes, ranks: list[int]) -> bytes:
-    """The subscription topic by which a TCP subscriber declares ``ranks``."""
+def hello_topic(ranks: list[int]) -> bytes:
+    """The subscription topic by which a TCP subscriber declares ``ranks`` (its own first)."""
     if not ranks or len(ranks) > HELLO_MAX_RANKS:
         raise ValueError(f"a subscriber declares 1..{HELLO_MAX_RANKS} ranks, got {len(ranks)}")
-    head = HELLO_HEAD.pack(HELLO_MAGIC, HELLO_VERSION, bytes(token), len(ranks))
+    head = HELLO_HEAD.pack(HELLO_MAGIC, HELLO_VERSION, len(ranks))
     return head + b"".join(HELLO_RANK.pack(r) for r in ranks)
 
 
-def parse_hello(topic: bytes, token: bytes) -> list[int]:
-    """The ranks a hello declares; ``ValueError`` naming what is wrong (version, token,
-    length, no ranks)."""
+def parse_hello(topic: bytes) -> list[int]:
+    """The ranks a hello declares; ``ValueError`` naming what is wrong (version, length, no
+    ranks)."""
     if len(topic) < HELLO_HEAD.size:
         raise ValueError(f"a subscriber's hello is truncated ({len(topic)} bytes)")
-    magic, version, tok, n = HELLO_HEAD.unpack_from(topic)
+    _magic, version, n = HELLO_HEAD.unpack_from(topic)
     if version != HELLO_VERSION:
         raise ValueError(
             f"a subscriber speaks queue protocol version {version}, this writer {HELLO_VERSION}"
         )
-    if tok != bytes(token):
-        raise ValueError("a subscriber's hello carries a wrong socket token (another queue's?)")
     if n == 0:
         raise ValueError("a subscriber declared no reader ranks")
     if len(topic) != HELLO_HEAD.size + n * HELLO_RANK.size:

@@ -2,13 +2,33 @@
 blobs, the local socket, the writer's liveness) and a remote reader (the TCP socket).
 
 Both unpickle a message with stubs resolving to their own arena reader
-(``arena.resolving_stubs``); a message that fails to unpickle releases the arena slots it
-named, so the writer is never kept waiting for them.
+(``arena.resolving_stubs``); a message that fails to unpickle is consumed with its error, and
+the arena slots it named go back, so the writer is never kept waiting for them.
+
+Interruptions. A signal handler runs between two bytecodes of whatever Python code is running
+and what it raises (KeyboardInterrupt) lands there, in the middle of a dequeue. A message is
+never lost to it: each one goes through the end's ``inbox`` (a deque, oldest first), and every
+step that consumes something (a ring chunk read and released, a socket message taken, an arena
+blob copied out and released, the unpickling) stores its result into the inbox entry in the
+same C call that produced it (``read_into``, ``_C.call_store``, ``_C.call_append``). So an
+exception at any point leaves the message in the inbox, as far as it got, and the next dequeue
+goes on from there:
+
+    raw entry      the ring's {"seq", "flags", "frames"} (+ "fetched": the frames of an
+                   overflow message, from the socket or a blob; + "holds": its arena slots,
+                   held by this reader while it is unpickled, so an unpickling cut short can
+                   run again), or a remote reader's list of socket frames
+    (_DECODED, obj)  unpickled; dequeue takes it out and returns ``obj``, putting it back if
+                   anything is raised before the return
+
+A remote reader's sequence check is one store too: ``checked`` names the last entry that passed
+it, with its number.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
 from collections import deque
@@ -18,12 +38,16 @@ from vllm_shm_arena import settings
 from vllm_shm_arena._ext import _C
 from vllm_shm_arena.arena import ShmTensorArena, resolving_stubs
 from vllm_shm_arena.mq.end import End
-from vllm_shm_arena.mq.lifecycle import NOGIL, WAIT_SLICE_S
+from vllm_shm_arena.mq.lifecycle import WAIT_SLICE_S, call_timeout
 from vllm_shm_arena.mq.protocol import (
     BLOB_MARKER,
     FLAG_BLOB,
     FLAG_OVERFLOW,
+    Forged,
     Handle,
+    Keys,
+    SequenceError,
+    ShutDownByWriter,
     StreamEnd,
     parse_diverted,
     writer_died,
@@ -44,6 +68,8 @@ _LONG_WAIT_MSG = (
 #: Most ring chunks a reader waiting on the socket takes ahead (to see the ring's shutdown
 #: flag); beyond that it stops peeking, so the ring's back-pressure still holds.
 _MAX_PEEKED = 64
+#: Marks an inbox entry whose message is unpickled: (_DECODED, obj).
+_DECODED = object()
 
 
 def _warn_interval() -> float:
@@ -54,46 +80,116 @@ def _warn_interval() -> float:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else _WAIT_WARN_S
 
 
+def _from_signal_handler(exc: BaseException) -> bool:
+    """Whether ``exc`` is an interruption rather than the message's own failure: not an
+    ``Exception`` (KeyboardInterrupt, SystemExit), or raised inside a Python signal handler
+    installed now."""
+    if not isinstance(exc, Exception):
+        return True
+    handlers = set()
+    for sig in signal.valid_signals():
+        try:
+            h = signal.getsignal(sig)
+        except (ValueError, OSError):
+            continue
+        code = getattr(h, "__code__", None)
+        if code is not None:
+            handlers.add(code)
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in handlers:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def unpickle(frames: list, arena: ShmTensorArena | None) -> Any:
-    """The object of a message's ``frames`` (see protocol.py); stubs resolve to ``arena``, this
-    reader's. On failure, the arena slots frame 0 lists are released, then it raises."""
-    try:
-        if arena is None:
-            return loads(frames[1], frames[2:])
-        # This rank's reader, not whichever rank of the arena attached last here.
-        with resolving_stubs(arena):
-            return loads(frames[1], frames[2:])
-    except BaseException:
-        # Frame 0 lists the message's arena slots: parsed only on this failure path.
-        if arena is not None and len(frames[0]):
-            for slot, gen in parse_diverted(frames[0]):
-                arena.release_unacquired(slot, gen)
-        raise
+    """The object of a message's ``frames`` (see protocol.py); stubs resolve to ``arena``,
+    this reader's."""
+    if arena is None:
+        return loads(frames[1], frames[2:])
+    # This rank's reader, not whichever rank of the arena attached last here.
+    with resolving_stubs(arena):
+        return loads(frames[1], frames[2:])
 
 
 class _ReaderEnd(End):
-    """What both readers share: ``dequeue`` under the call lock, ``last_dequeue_s``."""
+    """What both readers share: ``dequeue`` under the call lock over the ``inbox`` (module
+    docstring), a terminal error once the stream cannot go on, ``last_dequeue_s``."""
 
     def __init__(self, handle: Handle) -> None:
         super().__init__()
         self.handle = handle
+        self.keys = Keys(handle.secret)
         #: Seconds from the last message's arrival (ring chunk seen) to the object in hand.
         self.last_dequeue_s = 0.0
+        #: Messages received and not yet returned, oldest first (module docstring).
+        self.inbox: deque = deque()
+        #: Why the stream ended for good (a forged frame, a gap, the writer's last frame...):
+        #: every later dequeue raises it again.
+        self.broken: BaseException | None = None
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
-        """See ``MessageQueue.dequeue``."""
+        """See ``MessageQueue.dequeue``. The next message is returned now, or, if anything is
+        raised first (a signal handler's exception included), by the next call."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        self.lifecycle.take(timeout, "dequeue")
+        inbox = self.inbox
+        entry = None
         try:
-            return self._dequeue_locked(deadline, indefinite)
-        finally:
-            self.lifecycle.side_lock.release()
+            with self.lifecycle.call_lock.hold(call_timeout(timeout), "dequeue"):
+                self._next(deadline, indefinite)  # inbox[0] is (_DECODED, obj) now
+                entry = inbox[0]
+                inbox.popleft()
+            return entry[1]
+        except BaseException:
+            if entry is not None and (not inbox or inbox[0] is not entry):
+                inbox.appendleft(entry)  # taken out, not returned: the next call returns it
+            raise
 
-    def _dequeue_locked(self, deadline: float | None, indefinite: bool) -> Any:
+    def _next(self, deadline: float | None, indefinite: bool) -> None:
         raise NotImplementedError
+
+    def _end_stream(self, error: BaseException) -> BaseException:
+        """The stream cannot go on: ``error`` is raised now and by every later dequeue."""
+        if self.broken is None:
+            self.broken = error
+        return error
+
+    def _raise_if_broken(self) -> None:
+        b = self.broken
+        if b is not None:
+            e = type(b).__new__(type(b))
+            e.args = b.args
+            e.__dict__.update(getattr(b, "__dict__", {}))
+            raise e
+
+    def _decode(self, entry, frames: list, arena) -> None:
+        """Unpickles the message at the front of the inbox (``entry``, a dict for a local
+        reader, whose ``frames`` are given) and puts ``(_DECODED, obj)`` in its place, in the
+        C call that unpickled it. Its arena slots are held first (``entry["holds"]``), so an
+        unpickling cut short can run again. A message that fails to unpickle is consumed with
+        its error (its held arena slots go back with it); an interruption leaves it for the
+        next call."""
+        inbox = self.inbox
+        try:
+            if arena is not None and len(frames[0]) and "holds" not in entry:
+                pairs = parse_diverted(frames[0])
+                _C.call_store(entry, "holds", arena._require_reader().hold_slots, (pairs,))
+            _C.call_store(inbox, 0, _decoded, (frames, arena))
+        except BaseException as e:
+            if not _from_signal_handler(e) and inbox and inbox[0] is entry:
+                inbox.popleft()
+                if arena is not None and len(frames[0]):
+                    for slot, gen in parse_diverted(frames[0]):
+                        arena.release_unacquired(slot, gen)
+            raise
 
     def broadcast_object(self, obj: Any = None) -> Any:
         return self.dequeue()
+
+
+def _decoded(frames: list, arena) -> tuple:
+    return (_DECODED, unpickle(frames, arena))
 
 
 class RemoteReaderEnd(_ReaderEnd):
@@ -103,17 +199,20 @@ class RemoteReaderEnd(_ReaderEnd):
 
     def __init__(self, handle: Handle, ranks: list[int]) -> None:
         """Subscribes at once, declaring the reader ``ranks`` it covers (its own; a relay's
-        node's)."""
+        node's, its own first)."""
         super().__init__(handle)
         self.ranks = list(ranks)
+        #: (the last inbox entry that passed the sequence check, its sequence number).
+        self.checked: tuple = (None, 0)
         try:
             self.socket = ReaderSocket(
                 self.lifecycle,
-                bytes(handle.socket_token),
+                self.keys,
                 handle.remote_subscribe_addr,
                 False,
                 declare=self.ranks,
                 ipv6=bool(handle.remote_addr_ipv6),
+                security=handle.tcp_security,
             )
         except BaseException:
             self.lifecycle.abandon()  # half built: release now
@@ -127,16 +226,39 @@ class RemoteReaderEnd(_ReaderEnd):
     def remote_socket(self, sock) -> None:
         self.socket.sock = sock
 
+    @property
+    def last_seq(self) -> int:
+        """The sequence number of the last message that passed the check."""
+        return self.checked[1]
+
     def _handshake(self, deadline: float | None) -> None:
         self.socket.await_ready(deadline, lambda: False)
 
-    def _dequeue_locked(self, deadline: float | None, indefinite: bool) -> Any:
-        frames = self.socket.recv(deadline)
+    def _next(self, deadline: float | None, indefinite: bool) -> None:
+        inbox = self.inbox
+        if inbox and type(inbox[0]) is tuple:  # (_DECODED, obj)
+            return
+        self._raise_if_broken()
+        if not inbox:
+            self.socket.receive(deadline, lambda f, args: _C.call_append(f, args, inbox))
+        entry = inbox[0]
         arrived = time.perf_counter()
-        self.counters["messages"] += 1
-        obj = unpickle(frames, None)
+        try:
+            seq, frames = self.socket.open(entry)
+        except ShutDownByWriter as e:
+            if e.last_seq != self.checked[1]:
+                raise self._end_stream(SequenceError(self.checked[1], e.last_seq)) from None
+            raise self._end_stream(e) from None
+        except Forged as e:
+            raise self._end_stream(e) from None
+        last_entry, last = self.checked
+        if last_entry is not entry:
+            if seq != last + 1:
+                raise self._end_stream(SequenceError(last, seq))
+            self.checked = (entry, seq)
+            self.counters["messages"] += 1
+        self._decode(entry, frames, None)
         self.last_dequeue_s = time.perf_counter() - arrived
-        return obj
 
     def _close_locked(self, drain_s: float) -> None:
         self.socket.close()
@@ -154,8 +276,6 @@ class LocalReaderEnd(_ReaderEnd):
         self.index = index
         self.ring = None
         self.arena: ShmTensorArena | None = None
-        #: Ring reads taken ahead while waiting on the socket for an overflow message.
-        self.peeked: deque = deque()
         #: A relay's last message (its upstream ended): raised by every later dequeue.
         self.ended: StreamEnd | None = None
         try:
@@ -167,9 +287,7 @@ class LocalReaderEnd(_ReaderEnd):
             self.ring = _C.RingReader(name, index, shm_dir)
             # Readers copy ring frames out too: leave the others (and the writer) a CPU.
             _C.set_copy_readers(len(handle.local_reader_ranks))
-            self.socket = ReaderSocket(
-                self.lifecycle, bytes(handle.socket_token), handle.local_subscribe_addr, True
-            )
+            self.socket = ReaderSocket(self.lifecycle, self.keys, handle.local_subscribe_addr, True)
         except BaseException:
             self.lifecycle.abandon()  # half built: release now
             raise
@@ -190,48 +308,65 @@ class LocalReaderEnd(_ReaderEnd):
 
     def shut_down(self) -> bool:
         """Whether the writer shut the ring down after publishing everything in it. Reads
-        the ring without waiting; chunks it takes are kept for the next dequeues, in order."""
-        while len(self.peeked) < _MAX_PEEKED:
-            with NOGIL:
-                got = self.ring.read(0.0)
-            if got[0] != "ok":
-                return got[0] == "shutdown"
-            self.peeked.append(got)
+        the ring without waiting; chunks it takes join the inbox, in order."""
+        while len(self.inbox) < _MAX_PEEKED:
+            status = self.ring.read_into(0.0, self.inbox)
+            if status != "ok":
+                return status == "shutdown"
         return False
 
     # ------------------------------------------------------------------ receiving
     def _handshake(self, deadline: float | None) -> None:
         self.socket.await_ready(deadline, self.writer_is_dead)
 
-    def _dequeue_locked(self, deadline: float | None, indefinite: bool) -> Any:
+    def _next(self, deadline: float | None, indefinite: bool) -> None:
+        inbox = self.inbox
+        if inbox and type(inbox[0]) is tuple:  # (_DECODED, obj)
+            return
         if self.ended is not None:
             raise self.ended.error()
+        self._raise_if_broken()
         arena = self.arena
         if arena is not None:
             if arena.needs_flush:  # something was pinned: releases wait for their events
-                with NOGIL:
-                    arena.flush_releases()
+                arena.flush_releases()
             self.reporter.maybe_report(self)
+        if not inbox:
+            self._wait_ring(deadline, indefinite)
+        arrived = time.perf_counter()
+        entry = inbox[0]
+        if entry["flags"] & FLAG_OVERFLOW:
+            if "fetched" not in entry:
+                self._fetch(entry, deadline)
+            frames = entry["fetched"]
+        else:
+            frames = entry["frames"]
+        if "counted" not in entry:
+            entry["counted"] = True
+            self._count(entry["flags"])
+        self._decode(entry, frames, arena)
+        self.last_dequeue_s = time.perf_counter() - arrived
+        obj = inbox[0][1]
+        if type(obj) is StreamEnd:  # only a relay sends one (protocol.py)
+            self.ended = obj
+            inbox.popleft()
+            raise obj.error()
+
+    def _wait_ring(self, deadline: float | None, indefinite: bool) -> None:
+        """Waits for the ring's next message and puts it in the inbox."""
         started = time.monotonic()
         warned_at = started
         warn_every = _warn_interval()
         life = self.lifecycle
-        peeked = self.peeked
+        read_into, inbox = self.ring.read_into, self.inbox
         while True:
             life.check_running()
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError("timed out waiting for a message")
-            if peeked:
-                status, flags, frames = peeked[0]
-            else:
-                with NOGIL:
-                    status, flags, frames = self.ring.read(
-                        WAIT_SLICE_S if left is None else min(WAIT_SLICE_S, left)
-                    )
+            status = read_into(WAIT_SLICE_S if left is None else min(WAIT_SLICE_S, left), inbox)
             if status == "ok":
-                arrived = time.perf_counter()
-                break
+                return
             if status == "shutdown":
                 raise RuntimeError("MessageQueue was shut down by the writer")
             if status == "writer_dead":
@@ -239,44 +374,53 @@ class LocalReaderEnd(_ReaderEnd):
             if not indefinite and time.monotonic() - warned_at >= warn_every:
                 warned_at = time.monotonic()
                 logger.warning(_LONG_WAIT_MSG, warned_at - started)
-        if not flags & FLAG_OVERFLOW:
-            if peeked:
-                peeked.popleft()
-            self.counters["ring_messages"] += 1
-        else:
-            # The marker stays at the front of ``peeked`` until its message is in hand: a
-            # wait below that times out leaves it there for the next call, in order.
-            if not peeked:
-                peeked.append(("ok", flags, frames))
-            if flags & FLAG_BLOB:
-                peeked.popleft()
-                frames = self.read_blob(frames)
-                self.counters["blob_messages"] += 1
-            else:
-                frames = self.socket.recv(deadline, ring=self)
-                peeked.popleft()
-            self.counters["overflow_messages"] += 1
-        self.counters["messages"] += 1
-        obj = unpickle(frames, arena)
-        self.last_dequeue_s = time.perf_counter() - arrived
-        if type(obj) is StreamEnd:  # only a relay sends one (protocol.py)
-            self.ended = obj
-            raise obj.error()
-        return obj
 
-    def read_blob(self, marker_frames) -> list:
-        """The frames of a message the writer packed into an arena blob (named by the ring
-        marker's one frame: slot, generation, bytes), copied out; the blob is released at
-        once, whatever happens to the message afterwards."""
-        if self.arena is None:
-            raise RuntimeError(
-                "the ring announced a message in the tensor arena, but this reader has no "
-                "arena attached (a queue handle without its arena handle?)"
+    def _count(self, flags: int) -> None:
+        c = self.counters
+        c["messages"] += 1
+        if not flags & FLAG_OVERFLOW:
+            c["ring_messages"] += 1
+            return
+        c["overflow_messages"] += 1
+        if flags & FLAG_BLOB:
+            c["blob_messages"] += 1
+
+    def _fetch(self, entry: dict, deadline: float | None) -> None:
+        """An overflow message's frames, from the arena blob or the socket its ring marker
+        announced, into ``entry["fetched"]`` (checked: the socket's must be sealed by the
+        writer and carry the marker's sequence number)."""
+        if entry["flags"] & FLAG_BLOB:
+            marker = entry["frames"]
+            if self.arena is None:
+                raise RuntimeError(
+                    "the ring announced a message in the tensor arena, but this reader has no "
+                    "arena attached (a queue handle without its arena handle?)"
+                )
+            if len(marker) != 1 or len(marker[0]) != BLOB_MARKER.size:
+                raise RuntimeError("corrupt blob marker in the message ring")
+            slot, gen, nbytes = BLOB_MARKER.unpack(marker[0])
+            # Copied out and released at once, stored in the same C call.
+            read = self.arena._require_reader().read_frames
+            _C.call_store(entry, "fetched", read, (slot, gen, nbytes))
+            return
+        if "socket" not in entry:
+            self.socket.receive(
+                deadline, lambda f, args: _C.call_store(entry, "socket", f, args), ring=self
             )
-        if len(marker_frames) != 1 or len(marker_frames[0]) != BLOB_MARKER.size:
-            raise RuntimeError("corrupt blob marker in the message ring")
-        slot, gen, nbytes = BLOB_MARKER.unpack(marker_frames[0])
-        return self.arena.read_blob(slot, gen, nbytes)
+        try:
+            seq, frames = self.socket.open(entry["socket"])
+        except (Forged, ShutDownByWriter) as e:
+            if isinstance(e, ShutDownByWriter):
+                e = RuntimeError(
+                    "MessageQueue was shut down by the writer before it sent the message its "
+                    "ring announced"
+                )
+            raise self._end_stream(e) from None
+        if seq != entry["seq"]:
+            raise self._end_stream(
+                Forged(f"message {seq}, where the ring announced message {entry['seq']},")
+            )
+        entry["fetched"] = frames
 
     # ------------------------------------------------------------------ reports and ending
     def report(self) -> None:

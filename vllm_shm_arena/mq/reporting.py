@@ -189,7 +189,7 @@ def report_from_timer(ref: weakref.ref) -> None:
     # Threads do not survive fork, but a child could still call this by hand.
     if os.getpid() != life.pid or life.closed:
         return
-    if not life.side_lock.acquire(blocking=False):
+    if not life.call_lock.acquire(blocking=False):
         return
     try:
         if life.closed:
@@ -199,4 +199,4 @@ def report_from_timer(ref: weakref.ref) -> None:
     except Exception:  # a report must never take the process down from a timer thread
         logger.debug("vllm_shm_arena: a timed stats report failed", exc_info=True)
     finally:
-        life.side_lock.release()
+        life.call_lock.release()

@@ -5,36 +5,64 @@
     writer                                   readers
     local XPUB  ipc://<0700 dir>/s  ------>  SUB (+ a monitor of its connection)   node-local
                 (overflow messages only; no cap: each is announced by a ring marker)
-    remote XPUB tcp://<connect_ip>:<port> -> SUB                                    remote
+    remote XPUB tcp://<connect_ip>:<port> -> SUB (+ a monitor)                      remote
                 (every message; at most SOCKET_HWM queued per reader, then enqueue waits)
+                ZAP handler (a thread of the writer): who may connect
+
+Whom each end trusts, and why:
+
+* The writer's TCP socket admits only its readers. ZeroMQ's ZAP asks the writer's handler
+  thread (``ZapHandler``) about every connection before a byte of a message flows: the peer
+  must present the PLAIN credentials (or, encrypted, the CurveZMQ key) of one reader principal
+  (a remote reader's rank, or a relay's own rank), derived from the handle's secret
+  (protocol.Keys), and each principal is admitted for one connection at a time. A stranger is
+  refused at the handshake: it never has a pipe in the XPUB, so it is never counted, never
+  sent anything and never waited for. Refusals are counted (``stats()["tcp_refused"]``) and
+  logged with the peer's address, rate-limited. Before authentication a peer can send at most
+  ``ZMQ_MAXMSGSIZE`` bytes per message (the largest hello) and must finish its handshake within
+  ``HANDSHAKE_IVL_MS``.
+* The local socket is bound in a fresh 0700 directory in the shm directory: only this uid can
+  connect while its name exists. Once every local reader is in, the socket's name and the
+  directory go, so a SIGKILL leaves nothing behind; the name is then free for anyone, which is
+  why readers trust no socket frame on its address alone:
+* Readers trust only frames their writer sealed (protocol.py: a MAC keyed by a handle secret
+  that travels on no connection, over the frame and its sequence number), checked before
+  anything is unpickled. PLAIN authenticates the client only, so whatever answers at a freed
+  port receives a reader's password and is believed by ZeroMQ; it still cannot seal a frame.
+  The encrypted setting (CurveZMQ) authenticates the writer too and hides the traffic.
+* The handle is the credential. It travels through the caller's control plane (vLLM: a gloo
+  broadcast, a TCP store): whoever reads that plane can join; reaching the queue's port is not
+  enough.
 
 The handshake (``wait_until_ready``): each reader subscribes; the writer waits for exactly the
-expected number of subscriptions on the local socket and, on the remote one, for subscribers
-whose hellos (protocol.py) declare every remote reader rank exactly once (``Roster``; a
-duplicate, unknown rank, wrong token or version, or a subscriber declaring nothing is refused);
-it removes the local socket's name (nobody else may
-connect now; its directory stays, so the name is never free for another user), and sends
-``READY``. Every later message on a socket starts with the handle's random token; the writer's
-last frame is ``SHUTDOWN_FRAME`` + token. A reader takes nothing without the token: whatever
-answers at the socket's address after the writer is gone is not the writer.
+expected number of subscriptions on the local socket and, on the remote one, for authenticated
+subscribers whose hellos (protocol.py) declare every remote reader rank exactly once
+(``Roster``; a duplicate, an unknown rank, a wrong version or a hello whose first rank is not
+the principal ZAP admitted is refused and logged, and never stops the start-up); it removes the
+local socket's directory, and sends ``READY``. The writer's last frame is ``SHUTDOWN`` with the
+last sequence number it sent.
 
 ``WriterSockets`` and ``ReaderSocket`` own their context, sockets and ``io_lock`` (held while
-a call uses a socket, so shutdown() from another thread does not close one under it: ZeroMQ
-sockets are not thread-safe); they register them in the end's ``Resources``.
+a call uses a socket, so shutdown() or the ZAP handler in another thread does not use one under
+it: ZeroMQ sockets are not thread-safe); they register them in the end's ``Resources``.
 
 Every TCP socket sends keepalive probes (``tcp_keepalive``): a connection whose peer's kernel
 stays silent for ``VLLM_SHM_ARENA_TCP_TIMEOUT_S`` (a partition, a host that vanished) is
-dropped, which a remote reader sees as its writer's death. A slow reader is not silent: its
-kernel answers the probes (and acknowledges data) however long the process does not read.
+dropped. A slow reader is not silent: its kernel answers the probes (and acknowledges data)
+however long the process does not read.
 
-A remote reader's connection that drops is never resumed in order (a PUB socket does not
-replay what a subscriber missed): the reader delivers what arrived, then raises
-``WriterDiedError``. Its receive queue holds at most SOCKET_HWM messages, so a reader that does
-not read makes the writer wait (ZeroMQ stops reading the TCP connection at the cap).
+A remote reader whose connection dropped is resumed if ZeroMQ re-establishes it within
+``RESUME_GRACE_S`` (the writer admits the principal again once its old connection is gone);
+its next message must then be the next in sequence (a publisher drops what it sends while a
+subscriber is away, so a drop that overlapped a send is an error, never a silent loss). A
+connection not re-established in time is the writer's death for that reader (after what
+arrived before). Its receive queue holds at most SOCKET_HWM messages, so a reader that does not
+read makes the writer wait (ZeroMQ stops reading the TCP connection at the cap).
 """
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import logging
 import socket
@@ -43,22 +71,30 @@ import time
 from collections.abc import Callable
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from vllm_shm_arena import settings
 from vllm_shm_arena._ext import _C
 from vllm_shm_arena.mq.lifecycle import WAIT_SLICE_S, Lifecycle
 from vllm_shm_arena.mq.protocol import (
     HELLO_MAGIC,
-    READY_FRAME,
-    SHUTDOWN_FRAME,
+    HELLO_MAX_BYTES,
+    Forged,
+    Keys,
     ShutDownByWriter,
     WriterDiedError,
     connection_lost_error,
+    control_frame,
     hello_topic,
     parse_hello,
+    ready_frame,
+    shutdown_frame,
+    unseal,
     writer_died,
 )
 from vllm_shm_arena.mq.reporting import RateLimitedLog
+
+logger = logging.getLogger("vllm_shm_arena")
 
 #: Most messages a remote reader's socket backlog holds before enqueue waits (and, with a
 #: timeout, raises TimeoutError with nothing sent). The local socket needs no cap: it carries
@@ -67,9 +103,29 @@ SOCKET_HWM = 64
 #: After a local reader's connection dropped, how long it still waits for frames the writer
 #: sent before (ZeroMQ may report the drop before the last frames are readable).
 LOST_GRACE_MS = 200
+#: How long a remote reader whose connection dropped waits for ZeroMQ to re-establish it
+#: (it retries every 100 ms) before it takes the drop for its writer's death.
+RESUME_GRACE_S = 1.0
 #: A reader waiting for an overflow message after the writer shut the ring down gives the
 #: socket this long to deliver what the writer's drain already handed to the kernel.
 SHUTDOWN_GRACE_S = 2.0
+#: pyzmq's C-level send and receive (the Python-level Socket.send runs bytecode a signal
+#: handler's exception could interrupt; see _C.send_frames and _C.recv_frames).
+_SEND = zmq.backend.Socket.send
+_RECV = zmq.backend.Socket.recv
+#: ZAP's endpoint in a context (ZeroMQ's fixed name) and the domain of the queue's sockets.
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+REMOTE_DOMAIN = b"vllm_shm_arena.remote"
+LOCAL_DOMAIN = b"vllm_shm_arena.local"
+#: A peer of the writer's TCP socket must finish its ZMTP handshake (authentication included)
+#: this soon, or it is dropped.
+HANDSHAKE_IVL_MS = 10_000
+#: A principal ZAP admitted whose hello has not come this long is admitted again (its first
+#: connection never finished the handshake).
+ADMIT_TIMEOUT_S = HANDSHAKE_IVL_MS / 1000 + 5.0
+#: How long the ZAP handler waits for the writer's socket to read its subscriptions (to learn
+#: that a principal's old connection is gone) before it refuses a second connection.
+ZAP_DRAIN_WAIT_S = 0.05
 
 
 def local_ip() -> str:
@@ -100,11 +156,11 @@ def is_ipv6(address: str) -> bool:
 
 
 def remote_lost_error() -> WriterDiedError:
-    """A remote reader's TCP connection to the writer dropped (for good: see the module
-    docstring)."""
+    """A remote reader's TCP connection to the writer dropped and was not re-established."""
     return WriterDiedError(
-        "MessageQueue: the TCP connection to the writer dropped (the writer process died or "
-        "the network failed); messages sent before were delivered, no more will come"
+        "MessageQueue: the TCP connection to the writer dropped and was not re-established "
+        f"within {RESUME_GRACE_S:g} s (the writer process died or the network failed); "
+        "messages sent before were delivered, no more will come"
     )
 
 
@@ -120,20 +176,27 @@ class Roster:
         self.hellos = 0
         self.plain = 0
 
-    def add(self, ranks: list[int]) -> None:
-        """A subscriber's declared ranks; ``RuntimeError`` naming what is wrong."""
+    def check(self, ranks: list[int]) -> None:
+        """``ValueError`` naming what is wrong with a subscriber declaring ``ranks``."""
         for r in ranks:
             if r in self.declared or ranks.count(r) > 1:
-                raise RuntimeError(
-                    f"refusing a subscriber of the queue socket: reader rank {r} was declared twice"
-                )
+                raise ValueError(f"reader rank {r} was declared twice")
             if r in self.local or (self.expected is not None and r not in self.expected):
-                raise RuntimeError(
-                    f"refusing a subscriber of the queue socket: it declared reader rank {r}, "
-                    f"which is not a remote reader of this queue (remote: {self.describe()})"
+                raise ValueError(
+                    f"it declared reader rank {r}, which is not a remote reader of this queue "
+                    f"(remote: {self.describe()})"
                 )
+        if self.expected is None and len(self.declared) + len(ranks) > self.n:
+            raise ValueError(f"it declared more than the {self.n} remote reader ranks")
+
+    def add(self, ranks: list[int]) -> None:
         self.declared.update(ranks)
         self.hellos += 1
+
+    def remove(self, ranks: list[int]) -> None:
+        """A declaring subscriber's connection is gone: its ranks may be declared again."""
+        self.declared.difference_update(ranks)
+        self.hellos -= 1
 
     def complete(self) -> bool:
         """Every remote rank declared, and every declaring subscriber's receiving
@@ -160,13 +223,242 @@ class Roster:
         return left
 
 
+def _user_id(frame) -> int | None:
+    """The principal ZAP admitted for the connection a subscription came from, or None (a
+    subscription the socket made up when a connection ended carries none)."""
+    try:
+        uid = frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+    try:
+        return int(uid)
+    except (TypeError, ValueError):
+        return None
+
+
+class Admission:
+    """Who may connect to the writer's TCP socket and who is connected: the ZAP handler's
+    decisions (its thread) and the subscription stream's news (whichever thread holds the
+    socket's ``io_lock``), one principal one connection at a time.
+
+    A principal is *pending* from ZAP's admission until its hello arrives (at most
+    ``ADMIT_TIMEOUT_S``), then *connected* until the socket reports its hello's unsubscription
+    (its connection ended: ZeroMQ unsubscribes a dead pipe's topics, ``XPUB_VERBOSER``).
+    """
+
+    def __init__(self, roster: Roster, log: RateLimitedLog) -> None:
+        self.roster = roster
+        self._log = log
+        self.lock = threading.Lock()  # pending, connected, counters: two threads use them
+        self.pending: dict[int, float] = {}
+        self.connected: dict[bytes, int] = {}  # accepted hello topic -> its principal
+        self.refused = 0
+        self.last_refusal = ""
+
+    def may_admit(self, principal: int) -> bool:
+        """ZAP's one-at-a-time rule; admits ``principal`` (pending) when it holds."""
+        now = time.monotonic()
+        with self.lock:
+            if principal in self.connected.values():
+                return False
+            at = self.pending.get(principal)
+            if at is not None and now - at < ADMIT_TIMEOUT_S:
+                return False
+            self.pending[principal] = now
+            return True
+
+    def refuse(self, key: str, why: str, address: str = "") -> None:
+        """Counts and logs (rate-limited per ``key``) a refusal."""
+        with self.lock:
+            self.refused += 1
+            self.last_refusal = why
+            n = self.refused
+        peer = f" from {address}" if address else ""
+        self._log(
+            key,
+            logging.WARNING,
+            "vllm_shm_arena: refused a peer of the queue's TCP socket%s: %s (%d refused so far)",
+            peer,
+            why,
+            n,
+        )
+
+    def on_subscription(self, frame) -> None:
+        """One message of the remote XPUB: a (un)subscription. Never raises for what a peer
+        sent: a bad one is refused and logged."""
+        data = frame.bytes
+        if not data or data[0] > 1:
+            return
+        subscribe, topic = data[0] == 1, data[1:]
+        roster = self.roster
+        if topic == b"":
+            roster.plain += 1 if subscribe else -1
+            return
+        if not topic.startswith(HELLO_MAGIC):
+            if subscribe:
+                self.refuse(
+                    "tcp_subscription",
+                    f"an unexpected subscription {topic[:32]!r} (principal "
+                    f"{_user_id(frame)}); ignored",
+                )
+            return
+        if not subscribe:
+            with self.lock:
+                principal = self.connected.pop(topic, None)
+            if principal is not None:
+                roster.remove(parse_hello(topic))
+            return
+        principal = _user_id(frame)
+        try:
+            ranks = parse_hello(topic)
+            if principal is None or ranks[0] != principal:
+                raise ValueError(
+                    f"its hello declares {ranks[:1]} first, but it authenticated as "
+                    f"principal {principal}"
+                )
+            roster.check(ranks)
+        except ValueError as e:
+            self.refuse("tcp_hello", f"principal {principal}'s hello: {e}; ignored")
+            return
+        roster.add(ranks)
+        with self.lock:
+            self.connected[topic] = principal
+            self.pending.pop(principal, None)
+
+
+class ZapHandler:
+    """The writer's ZAP handler: a thread answering ZeroMQ's authentication requests for the
+    writer's context (each request is a connection to the TCP socket, or to the local one).
+
+    Its REP socket lives in the writer's context, so ``ctx.term()`` ends it: the thread's
+    blocking receive fails with ETERM, it closes its socket, and the termination completes.
+    It holds nothing of the queue end (so a queue dropped without shutdown() is still
+    collected), only the admission state, the keys, and the writer's remote socket and
+    ``io_lock`` for reading subscriptions.
+    """
+
+    def __init__(
+        self,
+        ctx,
+        keys: Keys,
+        security: str,
+        admission: Admission,
+        remote_sock,
+        io_lock,
+    ) -> None:
+        self.keys = keys
+        self.admission = admission
+        self._remote = remote_sock
+        self._io_lock = io_lock
+        self._curve_principals: dict[bytes, int] = {}
+        if security == "encrypted":
+            from zmq.utils import z85
+
+            expected = admission.roster.expected
+            for r in expected:
+                self._curve_principals[z85.decode(keys.curve_client(r)[0])] = r
+        self.security = security
+        self.sock = ctx.socket(zmq.REP)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(ZAP_ENDPOINT)
+        self.thread = threading.Thread(target=self._run, name="vllm_shm_arena-zap", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        sock = self.sock
+        try:
+            while True:
+                try:
+                    request = sock.recv_multipart()
+                except zmq.ZMQError:
+                    return  # ETERM: the context is terminating (or the socket was closed)
+                try:
+                    reply = self.decide(request)
+                except Exception as e:  # a bug here must not leave ZeroMQ waiting
+                    logger.exception("vllm_shm_arena: the ZAP handler failed")
+                    reply = self._reply(request, b"500", f"internal error: {e}", b"")
+                try:
+                    sock.send_multipart(reply)
+                except zmq.ZMQError:
+                    return
+        finally:
+            sock.close(linger=0)
+
+    @staticmethod
+    def _reply(request: list, status: bytes, text: str, user: bytes) -> list:
+        version = request[0] if request else b"1.0"
+        rid = request[1] if len(request) > 1 else b""
+        return [version, rid, status, text.encode()[:255], user, b""]
+
+    def decide(self, request: list) -> list:
+        """One ZAP request -> its reply (RFC 27): 200 with the principal as user id, or a
+        refusal (counted, logged with the peer's address)."""
+        if len(request) < 6 or request[0] != b"1.0":
+            return self._reply(request, b"400", "malformed ZAP request", b"")
+        _version, _rid, domain, address, _identity, mechanism, *creds = request
+        addr = address.decode(errors="replace")
+        if domain == LOCAL_DOMAIN and mechanism == b"NULL":
+            return self._reply(request, b"200", "OK", b"")  # the 0700 local socket
+        principal = None
+        if domain == REMOTE_DOMAIN:
+            principal = self._principal(mechanism, creds)
+        if principal is None:
+            self.admission.refuse("tcp_auth", f"wrong credentials ({mechanism.decode()})", addr)
+            return self._reply(request, b"400", "wrong credentials", b"")
+        if not self._admit(principal):
+            self.admission.refuse("tcp_twice", f"principal {principal} is connected already", addr)
+            return self._reply(request, b"400", "already connected", b"")
+        return self._reply(request, b"200", "OK", str(principal).encode())
+
+    def _principal(self, mechanism: bytes, creds: list) -> int | None:
+        if self.security == "authenticated" and mechanism == b"PLAIN" and len(creds) == 2:
+            user, password = creds
+            if not (0 < len(user) <= 10 and user.isdigit()):
+                return None
+            want = self.keys.plain_password(user)
+            if hmac.compare_digest(bytes(password), want):
+                return int(user)
+            return None
+        if self.security == "encrypted" and mechanism == b"CURVE" and len(creds) == 1:
+            return self._curve_principals.get(bytes(creds[0]))
+        return None
+
+    def _admit(self, principal: int) -> bool:
+        if self.admission.may_admit(principal):
+            return True
+        # Its old connection may be gone without the socket's news read yet: read it (the
+        # writer's thread may be using the socket; then refuse, and ZeroMQ retries soon).
+        if self._io_lock.acquire(timeout=ZAP_DRAIN_WAIT_S):
+            try:
+                drain_subscriptions(self._remote, self.admission)
+            except zmq.ZMQError:
+                pass  # the socket is closing
+            finally:
+                self._io_lock.release()
+            return self.admission.may_admit(principal)
+        return False
+
+
+def drain_subscriptions(sock, admission: Admission) -> None:
+    """Reads every (un)subscription waiting on the writer's remote socket (with its
+    ``io_lock`` held)."""
+    while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        admission.on_subscription(sock.recv(zmq.NOBLOCK, copy=False))
+
+
 def keepalive_options(timeout_s: int) -> list[tuple[int, int]]:
     """The ZeroMQ options that drop a TCP connection whose peer's kernel answers nothing for
     about ``timeout_s`` seconds: probes after ``timeout_s // 2`` idle, then every
     ``timeout_s // 12`` (at least 1 s) until the rest of ``timeout_s`` is spent. 0: keepalive
-    on with the kernel's own times."""
+    on with the kernel's own times. ``timeout_s`` is at most settings.MAX_TCP_TIMEOUT_S (the
+    kernel's limit on the idle time)."""
     if timeout_s <= 0:
         return [(zmq.TCP_KEEPALIVE, 1)]
+    if timeout_s > settings.MAX_TCP_TIMEOUT_S:
+        raise ValueError(
+            f"a TCP timeout of {timeout_s} s is more than the kernel's keepalive allows "
+            f"({settings.MAX_TCP_TIMEOUT_S} s)"
+        )
     idle = max(1, timeout_s // 2)
     interval = max(1, timeout_s // 12)
     count = max(1, (timeout_s - idle) // interval)
@@ -202,11 +494,12 @@ def _poll(
 
 class WriterSockets:
     """The writer's XPUB sockets: ``local`` (overflow messages to node-local readers) and
-    ``remote`` (every message to remote readers); either may be None."""
+    ``remote`` (every message to remote readers, behind the ZAP handler); either may be
+    None."""
 
-    def __init__(self, life: Lifecycle, token: bytes, log: RateLimitedLog) -> None:
+    def __init__(self, life: Lifecycle, keys: Keys, log: RateLimitedLog) -> None:
         self._life = life
-        self.token = token
+        self.keys = keys
         self._log = log
         self.ctx = zmq.Context()
         life.resources.ctx = self.ctx
@@ -214,6 +507,8 @@ class WriterSockets:
         self.local = None
         self.remote = None
         self.remote_ipv6 = False
+        self.admission: Admission | None = None
+        self.zap: ZapHandler | None = None
 
     def _xpub(self, hwm: int):
         s = self.ctx.socket(zmq.XPUB)
@@ -230,105 +525,110 @@ class WriterSockets:
         """The local socket, bound in a fresh 0700 directory inside ``shm_dir`` -> its
         address."""
         self.local = self._xpub(0)
+        self.local.setsockopt(zmq.ZAP_DOMAIN, LOCAL_DOMAIN)
         # A path, not an abstract socket (which any uid in the network namespace can reach),
-        # in a fresh 0700 directory of fresh random name: the directory is the access check,
-        # as ZeroMQ has no portable peer-credential check. It stays for the queue's life (only
-        # the socket's name goes once the readers connected), so its name is never free for
-        # another user to take, and its liveness token tells the stale-name cleaner it is in
-        # use.
+        # in a fresh 0700 directory of fresh random name: the directory is the access check
+        # while readers connect, as ZeroMQ has no portable peer-credential check. Its liveness
+        # token tells the stale-name cleaner it is in use; it goes after the handshake.
         res = self._life.resources
         res.socket_dir = _C.SocketDir(shm_dir)
         addr = f"ipc://{res.socket_dir.socket_path}"
         self.local.bind(addr)
         return addr
 
-    def bind_remote(self, connect_ip: str) -> str:
-        """The remote (TCP) socket on ``connect_ip``, a free port -> its address. A bare IPv6
-        address is bound as vLLM does: ``tcp://[addr]:port`` with ``zmq.IPV6`` set
-        (``remote_ipv6`` then says so, for the handle)."""
-        self.remote = self._xpub(SOCKET_HWM)
-        tcp_keepalive(self.remote)
+    def bind_remote(self, connect_ip: str, roster: Roster, security: str) -> str:
+        """The remote (TCP) socket on ``connect_ip``, a free port, behind the ZAP handler ->
+        its address. A bare IPv6 address is bound as vLLM does: ``tcp://[addr]:port`` with
+        ``zmq.IPV6`` set (``remote_ipv6`` then says so, for the handle)."""
+        self.remote = s = self._xpub(SOCKET_HWM)
+        # Every unsubscription too, including those of a connection that ended (Admission).
+        s.setsockopt(zmq.XPUB_VERBOSER, 1)
+        s.setsockopt(zmq.MAXMSGSIZE, HELLO_MAX_BYTES)
+        s.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+        s.setsockopt(zmq.ZAP_DOMAIN, REMOTE_DOMAIN)
+        if security == "encrypted":
+            s.setsockopt(zmq.CURVE_SERVER, 1)
+            s.setsockopt(zmq.CURVE_SECRETKEY, self.keys.curve_server()[1])
+        else:
+            s.setsockopt(zmq.PLAIN_SERVER, 1)
+        tcp_keepalive(s)
+        self.admission = Admission(roster, self._log)
+        self.zap = ZapHandler(self.ctx, self.keys, security, self.admission, s, self.io_lock)
         self.remote_ipv6 = is_ipv6(connect_ip)
         if self.remote_ipv6:
-            self.remote.setsockopt(zmq.IPV6, 1)
+            s.setsockopt(zmq.IPV6, 1)
             connect_ip = f"[{connect_ip}]"
-        port = self.remote.bind_to_random_port(f"tcp://{connect_ip}")
+        port = s.bind_to_random_port(f"tcp://{connect_ip}")
         return f"tcp://{connect_ip}:{port}"
 
-    def _await_roster(self, roster: Roster, deadline: float | None) -> None:
-        """Subscriptions on the remote socket until ``roster`` is complete."""
-        sock = self.remote
-        while not roster.complete():
+    def refused(self) -> int:
+        """Peers of the TCP socket refused so far (credentials, a second connection, a bad
+        hello or subscription)."""
+        return 0 if self.admission is None else self.admission.refused
+
+    def _await_roster(self, deadline: float | None) -> None:
+        """Subscriptions on the remote socket until the roster is complete."""
+        sock, admission = self.remote, self.admission
+        while not admission.roster.complete():
             try:
                 _poll(self._life, sock, deadline, "readers to subscribe", None)
             except TimeoutError as e:
-                raise TimeoutError(f"{e} ({roster.missing()})") from None
-            msg = sock.recv()
-            if not msg or msg[0] != 1:
-                continue  # an unsubscription (a subscriber went away): nothing declared
-            topic = msg[1:]
-            if topic == b"":
-                roster.plain += 1
-            elif topic.startswith(HELLO_MAGIC):
-                try:
-                    ranks = parse_hello(topic, self.token)
-                except ValueError as e:
-                    raise RuntimeError(f"refusing a subscriber of the queue socket: {e}") from None
-                roster.add(ranks)
-            else:
-                raise RuntimeError(
-                    "refusing a subscriber of the queue socket: unexpected subscription "
-                    f"{topic[:32]!r}"
-                )
+                why = admission.last_refusal
+                last = f"; last refusal: {why}" if why else ""
+                raise TimeoutError(f"{e} ({admission.roster.missing()}{last})") from None
+            drain_subscriptions(sock, admission)
 
-    def await_subscribers(
-        self, n_local: int, roster: Roster | None, deadline: float | None
-    ) -> None:
+    def await_subscribers(self, n_local: int, deadline: float | None) -> None:
         """The writer's half of the handshake (see the module docstring): ``n_local``
-        subscriptions on the local socket, ``roster`` complete on the remote one."""
+        subscriptions on the local socket, the roster complete on the remote one."""
         with self.io_lock:
-            for sock in (self.local, self.remote):
-                if sock is None:
-                    continue
-                if sock is self.local:
-                    n = n_local
-                    for _ in range(n):
-                        _poll(self._life, sock, deadline, "readers to subscribe", None)
-                        sock.recv()
-                else:
-                    n = roster.n
-                    self._await_roster(roster, deadline)
-                res = self._life.resources
-                if sock is self.local and res.socket_dir is not None:
-                    # Every expected reader is connected: nobody else may connect now. The
-                    # directory stays until shutdown, so its name never becomes free.
-                    res.socket_dir.unlink_socket()
+            if self.local is not None:
+                sock = self.local
+                for _ in range(n_local):
+                    _poll(self._life, sock, deadline, "readers to subscribe", None)
+                    sock.recv()
+                # Every expected reader is connected: the socket's name and directory go (a
+                # SIGKILL now leaves nothing; whoever takes the name later cannot seal a frame).
+                self._life.resources.remove_socket_dir()
                 if sock.poll(0):
-                    extra = sock.recv()
-                    why = " (one declared no reader ranks)" if extra == b"\x01" else ""
                     raise RuntimeError(
-                        f"more than the {n} expected readers subscribed to the queue "
-                        f"socket{why}; refusing to start"
+                        f"more than the {n_local} expected readers subscribed to the queue's "
+                        "local socket; refusing to start"
                     )
-                sock.send(READY_FRAME)
+                sock.send(ready_frame(self.keys.mac_key))
+            if self.remote is not None:
+                self._await_roster(deadline)
+                self.remote.send(ready_frame(self.keys.mac_key))
+
+    def read_subscriptions(self) -> None:
+        """Reads what the remote socket's subscribers sent (connections that ended or came
+        back); cheap when there is nothing. Call with ``io_lock`` held."""
+        if self.remote is not None:
+            drain_subscriptions(self.remote, self.admission)
 
     def send(self, sock, frames: list, deadline: float | None, sending, may_wait: bool) -> None:
-        """Queues ``frames`` on ``sock`` as one message, copied (ZeroMQ owns the copy, so
-        nothing aliases the caller's memory once this returns). Only the first frame can meet
-        the backlog cap (``ZMQ_XPUB_NODROP``: a full subscriber makes the send fail, never
-        drop); waiting for it honours ``deadline``, and nothing of the message has been sent
-        then. ``may_wait=False``: a socket without a cap, which never waits. Records in
-        ``sending.sent`` how many frames ``sock`` took."""
+        """Queues ``frames`` (frame 0 sealed) on ``sock`` as one message, copied (ZeroMQ owns
+        the copy, so nothing aliases the caller's memory once this returns). Only the first
+        frame can meet the backlog cap (``ZMQ_XPUB_NODROP``: a full subscriber makes the send
+        fail, never drop); waiting for it honours ``deadline``, and nothing of the message has
+        been sent then. ``may_wait=False``: a socket without a cap, which never waits.
+
+        ``sending.sent[id(sock)]`` is a one-item list registered before the first frame goes:
+        the count of frames ``sock`` took, updated in the C call that sends them
+        (``_C.send_frames``), so that whatever exception ends this call, it says exactly how
+        much of the message went."""
+        progress = [0]
+        sending.sent[id(sock)] = progress
         with self.io_lock:
             self._life.check_running()  # the socket is closed (or about to be)
-            n = len(frames)
-            first = self.token + bytes(frames[0])  # the token, then the arena slots
+            if sock is self.remote:
+                self.read_subscriptions()
             while True:
                 try:
-                    sock.send(first, (zmq.SNDMORE if n > 1 else 0) | zmq.NOBLOCK, copy=True)
-                    break
+                    _C.send_frames(_SEND, sock, frames, zmq.NOBLOCK, zmq.SNDMORE, progress)
+                    return
                 except zmq.Again:
-                    if not may_wait:
+                    if progress[0] or not may_wait:
                         raise
                 self._life.time_left(deadline, "a remote reader's socket backlog to drain")
                 self._log(
@@ -339,13 +639,7 @@ class WriterSockets:
                     SOCKET_HWM,
                 )
                 time.sleep(0.001)
-            sending.sent[id(sock)] = 1
-            # The rest cannot fail for a full subscriber (that is decided on a message's first
-            # frame) and is not interrupted by our own checks: a half-sent message would be
-            # completed by the next message's frames.
-            for i in range(1, n):
-                sock.send(frames[i], zmq.SNDMORE if i + 1 < n else 0, copy=True)
-                sending.sent[id(sock)] = i + 1
+                self.read_subscriptions()
 
     def break_off(self) -> None:
         """Closes both sockets at once (ZeroMQ drops a half-sent message)."""
@@ -353,13 +647,15 @@ class WriterSockets:
             if s is not None:
                 s.close(linger=0)
 
-    def close(self, drain_s: float) -> None:
-        """Queues the last frame on each socket, then closes them, giving queued frames up to
-        ``drain_s`` to go out, and terminates the context (bounded waits throughout)."""
+    def close(self, drain_s: float, last_seq: int) -> None:
+        """Queues the last frame (``last_seq``: the last message sent) on each socket, then
+        closes them, giving queued frames up to ``drain_s`` to go out, and terminates the
+        context (bounded waits throughout; the ZAP handler ends with it)."""
         self._life.resources.remove_socket_dir()
         locked = self.io_lock.acquire(timeout=10 * WAIT_SLICE_S)
         try:
             linger_ms = int(drain_s * 1000) if locked else 0
+            last = shutdown_frame(self.keys.mac_key, last_seq)
             for s in (self.local, self.remote):
                 if s is None:
                     continue
@@ -367,7 +663,7 @@ class WriterSockets:
                     # Queued after every message sent: a reader waiting on the socket for an
                     # overflow message that never went out learns that none is coming.
                     try:
-                        s.send(SHUTDOWN_FRAME + self.token, zmq.NOBLOCK)
+                        s.send(last, zmq.NOBLOCK)
                     except zmq.ZMQError:
                         pass  # readers still see the ring's shutdown flag
                 s.close(linger=linger_ms)
@@ -380,28 +676,31 @@ class WriterSockets:
 
 
 class ReaderSocket:
-    """A reader's SUB socket: connected to the writer's local socket (with a monitor of the
-    connection) or to its remote one."""
+    """A reader's SUB socket: connected to the writer's local socket or to its remote one
+    (with the principal's credentials), with a monitor of the connection."""
 
     def __init__(
         self,
         life: Lifecycle,
-        token: bytes,
+        keys: Keys,
         addr: str,
         local: bool,
         declare: list[int] | None = None,
         ipv6: bool = False,
+        security: str = "authenticated",
     ) -> None:
-        """``declare``: the reader ranks a remote subscriber covers (sent in its hello);
-        ``ipv6``: the address is IPv6 (``Handle.remote_addr_ipv6``)."""
+        """``declare``: the reader ranks a remote subscriber covers, its own (the principal it
+        authenticates as) first, sent in its hello; ``ipv6``: the address is IPv6
+        (``Handle.remote_addr_ipv6``); ``security``: ``Handle.tcp_security``."""
         self._life = life
-        self.token = token
+        self.keys = keys
+        self.mac_key = keys.mac_key
+        self.local = local
         self.ctx = zmq.Context()
         life.resources.ctx = self.ctx
         self.io_lock = threading.RLock()
-        self.monitor = None  # events of the connection to the writer's socket
-        self.lost = False  # that connection dropped (it is never re-established)
-        self.lost_error = connection_lost_error if local else remote_lost_error
+        self.lost = False  # a local connection dropped (it is never re-established)
+        self.down_since: float | None = None  # a remote connection dropped at (monotonic)
         s = self.ctx.socket(zmq.SUB)
         life.resources.sockets.append(s)
         # Remote: bounded, so a reader that does not read makes the writer wait (module
@@ -411,62 +710,93 @@ class ReaderSocket:
         if ipv6:
             s.setsockopt(zmq.IPV6, 1)
         if not local:
+            principal = list(declare)[0]
             tcp_keepalive(s)
-        if local or declare is not None:
-            # The socket's name is gone once every reader connected, so a dropped connection is
-            # never re-established by the writer: it is an error (seen through this monitor)
-            # once what came before is read. ZeroMQ still retries the name (disabling that,
-            # ZMQ_RECONNECT_IVL=-1, makes it drop messages received but not yet read when the
-            # writer closes); whatever answers there later is not the writer and its messages
-            # fail the token check (recv).
-            # A remote reader's dropped TCP connection is final the same way (module
-            # docstring).
-            mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            life.resources.sockets.append(mon)
-            self.monitor = mon
+            if security == "encrypted":
+                s.setsockopt(zmq.CURVE_SERVERKEY, keys.curve_server()[0])
+                public, secret = keys.curve_client(principal)
+                s.setsockopt(zmq.CURVE_PUBLICKEY, public)
+                s.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            elif security == "authenticated":
+                user = str(principal).encode()
+                s.setsockopt(zmq.PLAIN_USERNAME, user)
+                s.setsockopt(zmq.PLAIN_PASSWORD, keys.plain_password(user))
+            else:
+                raise ValueError(
+                    f"the queue handle asks for TCP security {security!r}, which this version "
+                    "of vllm_shm_arena does not know"
+                )
+        # The connection's drops (and, remote, its re-establishment): a local one is never
+        # re-established by the writer (its socket's name is gone), a remote one may be
+        # (module docstring). ZeroMQ still retries the local name (disabling that,
+        # ZMQ_RECONNECT_IVL=-1, makes it drop messages received but not yet read when the
+        # writer closes); whatever answers there later cannot seal a frame.
+        events = zmq.EVENT_DISCONNECTED
+        if not local:
+            events |= zmq.EVENT_HANDSHAKE_SUCCEEDED
+        mon = s.get_monitor_socket(events)
+        life.resources.sockets.append(mon)
+        self.monitor = mon
         s.setsockopt_string(zmq.SUBSCRIBE, "")
         if declare is not None:
-            s.setsockopt(zmq.SUBSCRIBE, hello_topic(token, list(declare)))
+            s.setsockopt(zmq.SUBSCRIBE, hello_topic(list(declare)))
         s.connect(addr)
         self.sock = s
 
-    def connection_lost(self) -> bool:
-        """Whether the connection to the writer's socket dropped (it is never
-        re-established)."""
+    def _watch(self) -> None:
+        """Reads the monitor's news of the connection."""
         mon = self.monitor
-        if mon is None or not mon.poll(0):
-            return False
         while mon.poll(0):
-            mon.recv_multipart()
-        self.lost = True
-        return True
+            event = parse_monitor_message(mon.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                if self.local:
+                    self.lost = True
+                elif self.down_since is None:
+                    self.down_since = time.monotonic()
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.down_since = None
+
+    def _check_connection(self) -> None:
+        """After an empty wait: a dropped connection not re-established in time is final,
+        once what arrived before is read."""
+        self._watch()
+        if self.lost:
+            # Never re-established: what the writer sent before it went is delivered first
+            # (ZeroMQ may report the drop before the last frames are readable).
+            if not self.sock.poll(LOST_GRACE_MS):
+                raise connection_lost_error()
+        elif self.down_since is not None:
+            if time.monotonic() - self.down_since > RESUME_GRACE_S and not self.sock.poll(0):
+                raise remote_lost_error()
 
     def await_ready(self, deadline: float | None, writer_dead: Callable[[], bool]) -> None:
-        """The reader's half of the handshake: the writer's ``READY``. ``writer_dead``: the
-        ring's verdict on the writer (always False for a remote reader)."""
+        """The reader's half of the handshake: the writer's sealed ``READY``. ``writer_dead``:
+        the ring's verdict on the writer (always False for a remote reader)."""
         sock = self.sock
         what = "the writer's READY"
 
         def idle() -> None:
             if writer_dead() and not sock.poll(0):
                 raise writer_died(f"while waiting for {what}")
-            if self.connection_lost() and not sock.poll(0):
-                raise self.lost_error()
+            self._check_connection()
 
         with self.io_lock:
             _poll(self._life, sock, deadline, what, idle)
-            msg = sock.recv()
-        if msg == SHUTDOWN_FRAME + self.token:
+            frames = sock.recv_multipart()
+        if len(frames) != 1:
+            raise Forged("a first message")
+        kind, _ = control_frame(self.mac_key, frames[0])
+        if kind == "shutdown":
             raise ShutDownByWriter("MessageQueue was shut down by the writer")
-        if msg != READY_FRAME:
-            raise RuntimeError(f"unexpected first message on the queue socket: {msg[:32]!r}")
 
-    def recv(self, deadline: float | None, ring=None) -> list:
-        """The next message's frames (frame 0 without the token). ``ring``: the local
-        reader's ring watch (``writer_is_dead()``, ``shut_down()``) when the ring announced
-        this message: if the writer shut down without sending it (its enqueue was interrupted,
-        or a finalizer closed the socket), give up after SHUTDOWN_GRACE_S instead of waiting
-        for good."""
+    def receive(self, deadline: float | None, store, ring=None) -> None:
+        """Waits for the next message on the socket and takes it whole through ``store``
+        (``lambda f, args: _C.call_store(entry, key, f, args)`` or ``_C.call_append``): the
+        list of its frames reaches the caller's state in the C call that received it, so no
+        exception can fall between. ``ring``: the local reader's ring watch
+        (``writer_is_dead()``, ``shut_down()``) when the ring announced this message: if the
+        writer shut down without sending it (its enqueue was interrupted, or a finalizer
+        closed the socket), give up after SHUTDOWN_GRACE_S instead of waiting for good."""
         sock = self.sock
         writer_gone_at = None
         with self.io_lock:
@@ -478,7 +808,6 @@ class ReaderSocket:
                     raise TimeoutError("timed out waiting for a message on the socket")
                 if sock.poll(int(wait * 1000)):
                     break
-                lost = self.lost or self.connection_lost()
                 if ring is not None and ring.writer_is_dead():
                     if sock.poll(0):  # sent before it died: still delivered
                         break
@@ -492,35 +821,36 @@ class ReaderSocket:
                             "MessageQueue was shut down by the writer before it sent the "
                             "message its ring announced"
                         )
-                elif lost:
-                    # Never re-established: what the writer sent before it went is delivered
-                    # first (ZeroMQ may report the drop before the last frames are readable).
-                    if sock.poll(LOST_GRACE_MS):
+                    continue
+                if self.lost or self.down_since is not None or self.monitor.poll(0):
+                    self._check_connection()
+                    if sock.poll(0):
                         break
-                    raise self.lost_error()
             # Zero-copy frames: each belongs to this reader for good, so tensors may alias them.
-            frames = sock.recv_multipart(copy=False)
-        token = self.token
-        head = frames[0].buffer
-        if len(frames) == 1 and head == SHUTDOWN_FRAME + token:
-            raise ShutDownByWriter("MessageQueue was shut down by the writer")
-        if len(frames) < 2 or head[: len(token)] != token:
-            # Not the writer's (it always sends the token, then the pickle): whoever answers at
-            # the socket's address now. Nothing of it is unpickled.
-            self.lost = True
-            raise RuntimeError(
-                "MessageQueue: a message on the queue's socket did not come from its writer "
-                "(wrong token); nothing of it was used. Recreate the queue"
-            )
-        return [head[len(token) :], *(f.buffer for f in frames[1:])]
+            store(_C.recv_frames, (_RECV, sock, zmq.NOBLOCK))
+
+    def open(self, frames: list) -> tuple[int, list]:
+        """A received message's frames -> (its sequence number, its frames with frame 0's
+        sealed head removed), checked to come from the writer (``Forged`` otherwise: nothing
+        of it is used). The writer's last frame raises ``ShutDownByWriter`` (``.last_seq``:
+        the last message it sent)."""
+        if len(frames) == 1:
+            kind, last = control_frame(self.mac_key, frames[0].buffer)
+            if kind == "shutdown":
+                e = ShutDownByWriter("MessageQueue was shut down by the writer")
+                e.last_seq = last
+                raise e
+            raise Forged("a second READY")
+        bufs = [f.buffer for f in frames]
+        seq, bufs[0] = unseal(self.mac_key, bufs)
+        return seq, bufs
 
     def close(self) -> None:
         """Closes the socket and the monitor and terminates the context (bounded waits)."""
         locked = self.io_lock.acquire(timeout=10 * WAIT_SLICE_S)
         try:
             self.sock.close(linger=0)
-            if self.monitor is not None:
-                self.monitor.close(linger=0)
+            self.monitor.close(linger=0)
             self.ctx.term()
         finally:
             if locked:

@@ -27,14 +27,16 @@ from vllm_shm_arena import metrics, settings, sizing
 from vllm_shm_arena._ext import _C
 from vllm_shm_arena.arena import ShmTensorArena
 from vllm_shm_arena.mq.end import End
-from vllm_shm_arena.mq.lifecycle import DRAIN_S, NOGIL, WAIT_SLICE_S
+from vllm_shm_arena.mq.lifecycle import DRAIN_S, WAIT_SLICE_S, call_timeout
 from vllm_shm_arena.mq.protocol import (
     BLOB_FLAGS,
     BLOB_MARKER,
     FLAG_OVERFLOW,
-    TOKEN_BYTES,
+    SECRET_BYTES,
     Handle,
+    Keys,
     diverted_header,
+    seal,
 )
 from vllm_shm_arena.mq.transport import Roster, WriterSockets, local_ip
 from vllm_shm_arena.pickler import Dumped, dump_message, dumps_inband
@@ -79,18 +81,40 @@ def check_int(name: str, value, minimum: int) -> None:
 
 
 class Sending:
-    """What one enqueue has committed so far, recorded step by step (see ``settle``)."""
+    """What one enqueue has committed so far, recorded step by step (see ``settle``). Each
+    record is one store, or made in the C call that commits (``sent``'s counts), so that an
+    exception raised anywhere (a signal handler's) finds them true."""
 
-    __slots__ = ("diverted", "fits", "blob", "ring_seq", "sent", "socket_owed", "n_remote")
+    __slots__ = (
+        "diverted",
+        "frames",
+        "remote_frames",
+        "seq",
+        "fits",
+        "blob",
+        "ring_seq",
+        "sent",
+        "socket_owed",
+        "done",
+    )
 
-    def __init__(self, diverted: list, n_remote: int = 0) -> None:
-        self.diverted = diverted
-        self.n_remote = n_remote  # frames of the remote socket's message
+    def __init__(self) -> None:
+        #: Arena slots the pickling took (appended as it takes them: dump_message's ``into``).
+        self.diverted: list = []
+        self.frames: list | None = None  # the message (ring and local socket encoding)
+        self.remote_frames: list | None = None  # the remote socket's encoding
+        self.seq = 0  # the message's sequence number
         self.fits = False
         self.blob: tuple[int, int, int] | None = None  # (slot, generation, nbytes)
         self.ring_seq: int | None = None  # ring.published() just before the publish
-        self.sent: dict[int, int] = {}  # id(socket) -> frames queued on it
+        self.sent: dict[int, list] = {}  # id(socket) -> [frames queued on it]
         self.socket_owed = False  # the ring announced it; the local socket has not taken it
+        self.done = False  # every step finished and counted
+
+    def taken(self, sock) -> int:
+        """Frames of this message ``sock`` took."""
+        progress = self.sent.get(id(sock))
+        return progress[0] if progress else 0
 
 
 class WriterEnd(End):
@@ -182,9 +206,18 @@ class WriterEnd(End):
         self.arena: ShmTensorArena | None = None
         self.arena_size: sizing.ArenaSize | None = None  # when an arena was asked for
         self.blob_max = 0  # largest message packed into an arena blob (0: none)
-        self.sockets = WriterSockets(
-            self.lifecycle, secrets.token_bytes(TOKEN_BYTES), self.reporter.log
-        )
+        #: The sequence number of the last message sent (protocol.py; the first is 1).
+        self.seq = 0
+        security = "authenticated"
+        if self.n_remote_reader > 0:
+            security = settings.tcp_security()
+            if security == "encrypted" and self.roster.expected is None:
+                raise ValueError(
+                    "VLLM_SHM_ARENA_TCP_SECURITY=encrypted needs the remote reader ranks: pass "
+                    "remote_reader_ranks (each rank's CurveZMQ key is derived from it)"
+                )
+        self.keys = Keys(secrets.token_bytes(SECRET_BYTES))
+        self.sockets = WriterSockets(self.lifecycle, self.keys, self.reporter.log)
         try:
             local_addr = remote_addr = None
             if n_local_reader > 0:
@@ -193,7 +226,7 @@ class WriterEnd(End):
                 _C.set_copy_readers(n_local_reader)  # the copy pool leaves the readers CPUs
                 local_addr = self.sockets.bind_local(self.ring.dir)
             if self.n_remote_reader > 0:
-                remote_addr = self.sockets.bind_remote(connect_ip)
+                remote_addr = self.sockets.bind_remote(connect_ip, self.roster, security)
             if enable_arena:
                 if n_local_reader == 0:
                     logger.warning(
@@ -213,7 +246,8 @@ class WriterEnd(End):
                 self.ring.unlink()
             raise
         self.handle = Handle(
-            socket_token=self.sockets.token,
+            secret=self.keys._secret,
+            tcp_security=security,
             local_reader_ranks=list(local_reader_ranks),
             buffer_handle=(self.ring.name, self.ring.dir) if self.ring else None,
             local_subscribe_addr=local_addr,
@@ -241,7 +275,7 @@ class WriterEnd(End):
 
     # ------------------------------------------------------------------ joining
     def _handshake(self, deadline: float | None) -> None:
-        self.sockets.await_subscribers(self.n_local_reader, self.roster, deadline)
+        self.sockets.await_subscribers(self.n_local_reader, deadline)
         # Every local reader has mapped the ring and the arena: drop the names.
         if self.ring is not None:
             self.ring.unlink()
@@ -253,32 +287,33 @@ class WriterEnd(End):
         """See ``MessageQueue.enqueue``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self.check_can_send()
-        self.lifecycle.take(timeout, "enqueue")
-        try:
+        with self.lifecycle.call_lock.hold(call_timeout(timeout), "enqueue"):
             self.check_can_send()
-            remote_frames = None
-            if self.serialize_inband:
-                dumped = Dumped(dumps_inband(obj), [], [])
-            else:
-                if self.arena is not None and self.sockets.remote is not None:
-                    # First: it commits nothing, so a failure here leaves no arena slot taken.
-                    plain = dump_message(obj, None)
-                    remote_frames = [b"", plain.data, *plain.buffers]
-                with NOGIL:  # the arena copy releases the GIL
-                    dumped = dump_message(obj, self.arena)
-            frames = [diverted_header(dumped.diverted), dumped.data, *dumped.buffers]
-            if remote_frames is None:
-                remote_frames = frames
-            sending = Sending(dumped.diverted, len(remote_frames))
+            sending = Sending()
             try:
-                self.send(frames, deadline, sending, remote_frames)
+                self._send_message(obj, deadline, sending)
             except BaseException as e:
-                self.settle(frames, sending, e)
+                self.settle(sending, e)
                 raise
-            self.counters["messages"] += 1
-            self.reporter.maybe_report(self)
-        finally:
-            self.lifecycle.side_lock.release()
+
+    def _send_message(self, obj: Any, deadline: float | None, sending: Sending) -> None:
+        if self.serialize_inband:
+            dumped = Dumped(dumps_inband(obj), [], [])
+        else:
+            if self.arena is not None and self.sockets.remote is not None:
+                # First: it commits nothing, so a failure here leaves no arena slot taken.
+                plain = dump_message(obj, None)
+                sending.remote_frames = [b"", plain.data, *plain.buffers]
+            # The arena copy releases the GIL; the slots taken go into sending.diverted as
+            # they are taken.
+            dumped = dump_message(obj, self.arena, sending.diverted)
+        frames = [diverted_header(dumped.diverted), dumped.data, *dumped.buffers]
+        sending.frames = frames
+        self.send(frames, deadline, sending)
+        self.seq = sending.seq
+        self.counters["messages"] += 1
+        sending.done = True
+        self.reporter.maybe_report(self)
 
     def check_can_send(self) -> None:
         """``RuntimeError`` once shut down or broken."""
@@ -286,17 +321,20 @@ class WriterEnd(End):
         if self.broken:
             raise RuntimeError(f"MessageQueue is broken ({self.broken}); recreate it")
 
-    def send(
-        self, frames: list, deadline: float | None, sending: Sending, remote_frames=None
-    ) -> None:
+    def sealed(self, frames: list, seq: int) -> list:
+        """``frames`` as a socket sends them: frame 0 sealed with ``seq`` (protocol.py)."""
+        return [seal(self.keys.mac_key, seq, frames), *frames[1:]]
+
+    def send(self, frames: list, deadline: float | None, sending: Sending) -> None:
         """One message, in an order where every wait comes before anything is committed:
         (1) a ring chunk is reserved (the ring's back-pressure), (2) a message too big for a
         chunk is packed into an arena blob (never waits, may decline), (3) remote readers'
         socket (waits while a reader's backlog is at its cap), then (4) the ring publishes
         (and, for an overflow message without a blob, the local socket takes it; it never
         waits: the ring bounds its backlog). Each step records what it committed in
-        ``sending``, for ``settle``. ``remote_frames``: the remote socket's encoding
+        ``sending``, for ``settle``. ``sending.remote_frames``: the remote socket's encoding
         (default: ``frames``)."""
+        sending.seq = self.seq + 1
         sizes = [memoryview(f).nbytes for f in frames]
         self.counters["bytes"] += sum(sizes)
         ring = self.ring
@@ -307,20 +345,20 @@ class WriterEnd(End):
                 left = self.lifecycle.time_left(
                     deadline, "a free ring chunk (readers are slow or stuck)"
                 )
-                with NOGIL:
-                    if ring.reserve(WAIT_SLICE_S if left is None else min(WAIT_SLICE_S, left)):
-                        break
+                if ring.reserve(WAIT_SLICE_S if left is None else min(WAIT_SLICE_S, left)):
+                    break
             if not fits and self.arena is not None and self.blob_max:
-                with NOGIL:
-                    sending.blob = self.arena.write_blob(frames, self.blob_max)
-        if self.sockets.remote is not None:
+                sending.blob = self.arena.write_blob(frames, self.blob_max)
+        remote = self.sockets.remote
+        if remote is not None:
+            remote_frames = sending.remote_frames
             if remote_frames is None:
-                remote_frames = frames
-            sending.n_remote = len(remote_frames)
+                sending.remote_frames = remote_frames = frames
             self.counters["remote_bytes"] = self.counters.get("remote_bytes", 0) + sum(
                 memoryview(f).nbytes for f in remote_frames
             )
-            self.sockets.send(self.sockets.remote, remote_frames, deadline, sending, may_wait=True)
+            sealed = self.sealed(remote_frames, sending.seq)
+            self.sockets.send(remote, sealed, deadline, sending, may_wait=True)
         if ring is not None:
             self.publish_local(frames, fits, sending)
 
@@ -330,11 +368,9 @@ class WriterEnd(End):
         sending.ring_seq = ring.published()
         status = "overflow"
         if fits:
-            with NOGIL:
-                status = ring.write(frames, 0, 0.0)
+            status = ring.write(frames, 0, 0.0)
         elif sending.blob is not None:
-            with NOGIL:
-                status = ring.write([BLOB_MARKER.pack(*sending.blob)], BLOB_FLAGS, 0.0)
+            status = ring.write([BLOB_MARKER.pack(*sending.blob)], BLOB_FLAGS, 0.0)
             if status == "ok":
                 self.counters["overflow_messages"] += 1
                 self.counters["blob_messages"] += 1
@@ -356,26 +392,33 @@ class WriterEnd(End):
             sending.blob = None
         self.counters["overflow_messages"] += 1
         sending.socket_owed = True
-        self.sockets.send(self.sockets.local, frames, None, sending, may_wait=False)
+        self.send_local(frames, sending)
+
+    def send_local(self, frames: list, sending: Sending) -> None:
+        """The local socket takes an overflow message the ring announced (never waits)."""
+        local = self.sockets.local
+        self.sockets.send(local, self.sealed(frames, sending.seq), None, sending, may_wait=False)
         sending.socket_owed = False
 
-    def settle(self, frames: list, sending: Sending, exc: BaseException) -> None:
+    def settle(self, sending: Sending, exc: BaseException) -> None:
         """An exception left ``send`` (a timeout or shutdown before anything was committed,
         or an asynchronous exception such as ``KeyboardInterrupt`` at any point). Decides from
         what the ring and the sockets actually took, not from where Python was: nothing taken
         -> the message's arena allocations go back (not sent); taken -> whatever readers are
         still owed is finished, and the exception carries a note that the message was sent; a
         half-sent socket message -> the queue is broken (it cannot go on in order)."""
-        n = len(frames)
+        frames = sending.frames
         ring = self.ring
         seq = sending.ring_seq
         ring_committed = ring is not None and seq is not None and ring.published() > seq
-        remote = self.sockets.remote
-        whole = {id(remote): sending.n_remote} if remote is not None else {}
-        if any(0 < k < whole.get(sid, n) for sid, k in sending.sent.items()):
+        remote, local = self.sockets.remote, self.sockets.local
+        n_remote = len(sending.remote_frames or frames or ())
+        if 0 < sending.taken(remote) < n_remote or (
+            frames is not None and 0 < sending.taken(local) < len(frames)
+        ):
             self.break_off("an enqueue was interrupted half-way through a socket send")
             return
-        remote_done = remote is not None and sending.sent.get(id(remote))
+        remote_done = remote is not None and sending.taken(remote) > 0
         if not ring_committed and not remote_done:
             blob = [sending.blob[:2]] if sending.blob is not None else []
             if self.arena is not None and (sending.diverted or blob):
@@ -387,15 +430,18 @@ class WriterEnd(End):
                     logger.exception("vllm_shm_arena: giving back an unsent message's slots")
             return
         # Sent: finish what readers are owed (neither step waits).
-        try:
-            if ring is not None and not ring_committed:
-                self.publish_local(frames, sending.fits, sending)
-            elif sending.socket_owed:
-                self.sockets.send(self.sockets.local, frames, None, sending, may_wait=False)
-        except BaseException:
-            self.break_off("an enqueue was interrupted after its message was announced")
-            raise
-        self.counters["messages"] += 1
+        if not sending.done:
+            try:
+                if ring is not None and not ring_committed:
+                    self.publish_local(frames, sending.fits, sending)
+                elif sending.socket_owed and sending.taken(local) == 0:
+                    self.send_local(frames, sending)
+            except BaseException:
+                self.break_off("an enqueue was interrupted after its message was announced")
+                raise
+            self.seq = sending.seq
+            self.counters["messages"] += 1
+            sending.done = True
         if hasattr(exc, "add_note"):
             exc.add_note(
                 "vllm_shm_arena: this message was sent before the exception; do not send it again"
@@ -439,6 +485,8 @@ class WriterEnd(End):
     def stats(self) -> dict:
         out = dict(self.counters)
         out["role"] = self.ROLE
+        if self.sockets.remote is not None:
+            out["tcp_refused"] = self.sockets.refused()
         if self.ring is not None:
             out["dropped_readers"] = self.ring.dropped_readers()
             out["liveness_unknown"] = self.ring.liveness_unknown()
@@ -450,7 +498,7 @@ class WriterEnd(End):
 
     # ------------------------------------------------------------------ ending
     def _close_locked(self, drain_s: float) -> None:
-        self.sockets.close(drain_s)
+        self.sockets.close(drain_s, self.seq)
         # Only now: the ring's shutdown flag tells readers that nothing follows.
         if self.ring is not None:
             self.ring.shutdown()

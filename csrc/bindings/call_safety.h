@@ -1,0 +1,24 @@
+// Calls an asynchronous exception cannot split. Python runs a signal handler between two
+// bytecodes, and whatever the handler raises (KeyboardInterrupt) lands there: after a C call
+// returned but before its result was stored, or between two calls that must go together. The
+// queue's calls keep their state consistent by doing each step that must not be split inside
+// one C call:
+//   _C.CallLock        the call lock (core/call_lock.h) and the guard a call holds it with:
+//                      taken and released in C, so a handler cannot leave it held
+//   _C.send_frames     every frame of one ZeroMQ message, with the count the socket took
+//                      recorded after each, in the same C call
+//   _C.recv_frames     every frame of one ZeroMQ message (stored through call_store/append)
+//   _C.call_store,     fn(*args) stored into the caller's container (or appended to it) in
+//   _C.call_append     the call that made it
+//   _C.nogil_gate_*    the exit hook's side of NoGilGate (bindings/gil.h)
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace vllm_shm_arena {
+
+/// Defines CallLock, send_frames, recv_frames, call_store, call_append and the nogil_gate_*
+/// functions on `m`.
+void bind_call_safety(pybind11::module_& m);
+
+}  // namespace vllm_shm_arena
