@@ -14,15 +14,21 @@ Two placements (``--mode``):
   level (the kernel's ``bytes_acked`` of the connections from the writer's port, ``ss -ti``;
   "n/a" where ss does not say).
 
-Per configuration and message size: link bytes per message divided by the payload, and the p50
+Per configuration and message size: link bytes per message divided by the payload, the p50
 delivery latency (enqueue start -> dequeue returned) and consume latency (-> the reader has
 summed every byte of the tensor) of the remote node's readers and of the writer's local
-readers. Both nodes share this machine's memory and CPUs (and clock), so the latencies are the
-queue's costs plus the link's rate, not a real network's.
+readers, and the writer process's CPU time per message (all its threads: the copy into the
+arena, ZeroMQ's I/O thread pushing the TCP copies, the ZAP handler).
+``--security authenticated|encrypted`` sets VLLM_SHM_ARENA_TCP_SECURITY for the writer (the
+readers follow its handle); ``--stem`` names the result files (default by mode), so runs of
+another checkout or setting can sit beside each other.
 
-Writes benchmarks/results/multinode/bench_multinode[_loopback].{md,json}.
+Both nodes share this machine's memory and CPUs (and clock), so the latencies are the queue's
+costs plus the link's rate, not a real network's.
+
+Writes benchmarks/results/multinode/bench_multinode[_loopback].{md,json} (or ``--stem``).
 Usage: python benchmarks/bench_multinode.py [--mode auto|netns|loopback] [--messages N]
-       [--sizes-mib 8,64]
+       [--sizes-mib 8,64] [--security authenticated|encrypted] [--stem NAME]
 """
 
 from __future__ import annotations
@@ -153,11 +159,13 @@ def run(n_remote: int, relay: bool, size: int, n: int, nodes=None) -> dict:
         nodes.watch(port)
     t = torch.arange(size // 4, dtype=torch.int32)
     base = link_bytes() or 0
+    cpu0 = time.process_time()
     for _ in range(n):
         mq.enqueue({"t": t, "ts": time.monotonic_ns()}, timeout=120)
         time.sleep(gap_s(size))  # one message at a time: latency, not throughput
     reps = [q.get(timeout=300) for _ in range(n_local + n_remote)]
     time.sleep(0.3)
+    writer_cpu = time.process_time() - cpu0
     link = link_bytes()
     mq.shutdown()
     go.set()
@@ -181,6 +189,7 @@ def run(n_remote: int, relay: bool, size: int, n: int, nodes=None) -> dict:
         "remote_consume_p50_ms": p50(remote_names, 1),
         "local_delivery_p50_ms": p50(("local",), 0),
         "local_consume_p50_ms": p50(("local",), 1),
+        "writer_cpu_ms_per_message": writer_cpu / n * 1e3,
     }
 
 
@@ -189,7 +198,11 @@ def main() -> None:
     ap.add_argument("--mode", choices=("auto", "netns", "loopback"), default="auto")
     ap.add_argument("--messages", type=int, default=20)
     ap.add_argument("--sizes-mib", default="8,64")
+    ap.add_argument("--security", choices=("authenticated", "encrypted"), default=None)
+    ap.add_argument("--stem", default=None)
     args = ap.parse_args()
+    if args.security:
+        os.environ["VLLM_SHM_ARENA_TCP_SECURITY"] = args.security
     import netns
 
     why = netns.unavailable_reason()
@@ -216,13 +229,14 @@ def main() -> None:
                     row = run(n_remote, relay, size, args.messages, nodes)
                     row["mode"] = mode
                     row["rate"] = rate
+                    row["security"] = args.security or "default"
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     finally:
         if nodes is not None:
             nodes.down()
     OUT.mkdir(parents=True, exist_ok=True)
-    stem = "bench_multinode" if mode == "netns" else "bench_multinode_loopback"
+    stem = args.stem or ("bench_multinode" if mode == "netns" else "bench_multinode_loopback")
     (OUT / f"{stem}.json").write_text(json.dumps(rows, indent=2) + "\n")
     if mode == "netns":
         where = [
@@ -246,11 +260,13 @@ def main() -> None:
         f"ms. With fewer CPUs ({os.cpu_count()} here) than readers, a message that takes longer",
         "than that to reach and sum everywhere makes the next ones wait: latencies then include",
         "queueing.",
+        f"TCP security: {args.security or 'the default'}; writer CPU: the writer process's, all",
+        "threads, per message (ms).",
         f"Written by `benchmarks/bench_multinode.py --mode {mode}` ({time.strftime('%Y-%m-%d')}).",
         "",
         "| size MiB | remote node | relay | link bytes / payload | remote delivery | remote "
-        "consume | local delivery | local consume |",
-        "|---|---|---|---|---|---|---|---|",
+        "consume | local delivery | local consume | writer CPU |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lb = r["link_bytes_per_payload"]
@@ -258,7 +274,7 @@ def main() -> None:
             f"| {r['size_mib']:.0f} | {r['remote_node_readers']} | {'on' if r['relay'] else 'off'} "
             f"| {'n/a' if lb is None else f'{lb:.3f}'} | {r['remote_delivery_p50_ms']:.2f} "
             f"| {r['remote_consume_p50_ms']:.2f} | {r['local_delivery_p50_ms']:.2f} "
-            f"| {r['local_consume_p50_ms']:.2f} |"
+            f"| {r['local_consume_p50_ms']:.2f} | {r['writer_cpu_ms_per_message']:.2f} |"
         )
     (OUT / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -5,7 +5,8 @@
 #
 #   scripts/netns_nodes.sh up                 create the nodes (a leftover set is removed first)
 #   scripts/netns_nodes.sh down               remove everything; idempotent
-#   scripts/netns_nodes.sh exec NODE CMD...   run CMD on node 0 or 1 (cwd and environment kept)
+#   scripts/netns_nodes.sh exec NODE CMD...   run CMD on node 0 or 1, or on the stranger (s)
+#                                             (cwd and environment kept)
 #   scripts/netns_nodes.sh watch PORT...      count TCP bytes to/from these ports from now on
 #   scripts/netns_nodes.sh counters           print every counter, one per line (see below)
 #   scripts/netns_nodes.sh reset              zero the port counters
@@ -19,6 +20,7 @@
 #   SHM_SIZE=1g  size of each node's /dev/shm
 #   PRIVATE_TMP=1  give each node its own tmpfs /tmp as well (ipc:// socket paths are files)
 #   PORTS="5555 6000"  ports to watch from the start (as `watch`)
+#   STRANGER=1   add "the stranger" (see below): a third network namespace linked to node 0 only
 #
 #   node 0 ($PREFIX-n0)                          node 1 ($PREFIX-n1)
 #   +-------------------------------+            +-------------------------------+
@@ -26,15 +28,28 @@
 #   | vsa-o 10.78.0.1/24 (OTHER=1)  |<-- veth -->| vsa-o 10.78.0.2/24            |  other link "o"
 #   | /dev/shm: own tmpfs           |            | /dev/shm: own tmpfs           |
 #   | hostname $PREFIX-n0           |            | hostname $PREFIX-n1           |
-#   +-------------------------------+            +-------------------------------+
+#   | vsa-s 10.79.0.1/24 (STRANGER) |            +-------------------------------+
+#   +---------------^---------------+
+#                   | veth, link "s"
+#   +---------------v---------------+
+#   | vsa-s 10.79.0.2/24            |  the stranger ($PREFIX-s, STRANGER=1): a host that is not
+#   | default route via 10.79.0.1   |  one of the queue's nodes, on its own link to node 0
+#   +-------------------------------+
+#
+# The stranger reaches node 0's addresses, the queue link's 10.77.0.1 included, over link "s"
+# (node 0 accepts a packet for any of its own addresses on any of its interfaces, so no
+# forwarding is needed); node 0 does not forward, so node 1 is out of its reach, and its
+# traffic with node 0 is alone on link "s" (counted there). It has a network namespace only:
+# `exec s` keeps the host's mount namespace (its /tmp, not node 0's /dev/shm) and sets
+# VSA_NODE=s alone.
 #
 # `exec` sets VSA_NODE=<n>, VLLM_HOST_IP=<the node's queue-link address> (what vLLM's get_ip()
 # and the queue bind to) and GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME=vsa-o when the other link
 # exists (vsa-q otherwise), so torch.distributed stays off the queue link; give other values
 # with `exec 1 env VLLM_HOST_IP=... cmd`. The node's hostname resolves to its queue address.
 #
-# Counters (`counters`), one line each, read in both nodes (a packet between them is tx on one
-# and rx on the other):
+# Counters (`counters`), one line each, read in both nodes and the stranger (node=s; a packet
+# between two of them is tx on one and rx on the other):
 #   node=0 link=q port=5555 dir=tx bytes=N packets=N   TCP from or to port 5555 (IP bytes:
 #                                                      IP and TCP headers included)
 #   node=0 link=q port=tcp  dir=tx bytes=N packets=N   all TCP on the link
@@ -55,16 +70,31 @@ STATE=/run/$PREFIX-nodes
 NODES=(0 1)
 Q_NET=10.77.0
 O_NET=10.78.0
+S_NET=10.79.0
 Q6_NET=fd77:
 IF_Q=vsa-q
 IF_O=vsa-o
+IF_S=vsa-s
 TABLE="inet $PREFIX"
 
 die() {
   echo "netns_nodes: $*" >&2
   exit 1
 }
-ns() { echo "$PREFIX-n$1"; }
+ns() { if [ "$1" = s ]; then echo "$PREFIX-s"; else echo "$PREFIX-n$1"; fi; }
+# The namespaces that exist: the nodes, and the stranger when it was made.
+all_ns() {
+  echo "${NODES[@]}"
+  [ -e "/run/netns/$(ns s)" ] && echo s
+  return 0
+}
+ifname_of() { # LINK -> its interface name
+  case "$1" in
+    q) echo $IF_Q ;;
+    o) echo $IF_O ;;
+    s) echo $IF_S ;;
+  esac
+}
 has_nft() { command -v nft > /dev/null 2>&1; }
 
 need_root() {
@@ -79,7 +109,8 @@ node_of() {
   case "$1" in
     0 | n0 | "$PREFIX-n0") echo 0 ;;
     1 | n1 | "$PREFIX-n1") echo 1 ;;
-    *) die "unknown node '$1' (use 0 or 1)" ;;
+    s | "$PREFIX-s") echo s ;;
+    *) die "unknown node '$1' (use 0, 1 or s)" ;;
   esac
 }
 
@@ -95,7 +126,7 @@ rate_bits() {
 
 down() {
   local n pids pid left
-  for n in "${NODES[@]}"; do
+  for n in "${NODES[@]}" s; do
     if [ -e "/run/netns/$(ns "$n")" ]; then
       # Whatever still runs in a node was started in it through this script.
       pids=$(ip netns pids "$(ns "$n")" 2> /dev/null || true)
@@ -147,6 +178,23 @@ make_node_namespaces() {
       umount -l "$STATE"'
 }
 
+# The stranger: its network namespace and link "s" to node 0 (see the top of this file).
+add_stranger() {
+  local s
+  s=$(ns s)
+  ip netns add "$s"
+  ip -n "$s" link set lo up
+  ip link add $IF_S netns "$(ns 0)" type veth peer name $IF_S netns "$s"
+  ip -n "$(ns 0)" addr add "$S_NET.1/24" dev $IF_S
+  ip -n "$s" addr add "$S_NET.2/24" dev $IF_S
+  ip -n "$(ns 0)" link set $IF_S up
+  ip -n "$s" link set $IF_S up
+  # Node 0's other addresses (10.77.0.1, the queue's) are reached through node 0, which
+  # forwards nothing (a new namespace may inherit the host's setting).
+  ip -n "$s" route add default via "$S_NET.1"
+  ip netns exec "$(ns 0)" sh -c 'echo 0 > /proc/sys/net/ipv4/ip_forward'
+}
+
 add_link() { # NAME NET: a veth pair between the nodes, up, with NET.1 and NET.2.
   local name=$1 net=$2 n
   ip link add "$name" netns "$(ns 0)" type veth peer name "$name" netns "$(ns 1)"
@@ -165,8 +213,8 @@ table $TABLE {
   chain in { type filter hook input priority 0; policy accept; }
 }
 EOF
-  for link in q o; do
-    ifname=$([ $link = q ] && echo $IF_Q || echo $IF_O)
+  for link in q o s; do
+    ifname=$(ifname_of $link)
     ip -n "$(ns "$n")" link show "$ifname" > /dev/null 2>&1 || continue
     ip netns exec "$(ns "$n")" nft -f - << EOF
 add counter $TABLE ${link}_tx_tcp
@@ -183,9 +231,9 @@ watch_ports() {
   for port in "$@"; do
     [[ $port =~ ^[0-9]+$ ]] && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] \
       || die "not a TCP port: '$port'"
-    for n in "${NODES[@]}"; do
-      for link in q o; do
-        ifname=$([ $link = q ] && echo $IF_Q || echo $IF_O)
+    for n in $(all_ns); do
+      for link in q o s; do
+        ifname=$(ifname_of $link)
         ip -n "$(ns "$n")" link show "$ifname" > /dev/null 2>&1 || continue
         # Watching a port twice keeps one set of rules.
         ip netns exec "$(ns "$n")" nft list counter $TABLE "${link}_tx_$port" > /dev/null 2>&1 \
@@ -227,6 +275,9 @@ up() {
   if [ "${OTHER:-0}" = 1 ]; then
     add_link $IF_O $O_NET
   fi
+  if [ "${STRANGER:-0}" = 1 ]; then
+    add_stranger
+  fi
   if [ -n "$bits" ]; then
     # tbf needs a bucket that holds a whole TSO segment (64 KiB) and about 10 ms at the rate.
     local burst=$((bits / 8 / 100))
@@ -240,6 +291,9 @@ up() {
     make_node_namespaces "$n"
     setup_counters "$n"
   done
+  if [ "${STRANGER:-0}" = 1 ]; then
+    setup_counters s
+  fi
   if [ -n "${PORTS:-}" ]; then
     # shellcheck disable=SC2086  # a list of ports
     watch_ports $PORTS
@@ -248,6 +302,7 @@ up() {
   has_nft || echo "netns_nodes: nft not found: only interface counters (apt-get install nftables)" >&2
   local other=
   [ "${OTHER:-0}" = 1 ] && other="other link $O_NET.0/24"
+  [ "${STRANGER:-0}" = 1 ] && other="${other:+$other, }stranger $(ns s) ($S_NET.2)"
   echo "netns_nodes: up: nodes $(ns 0) ($Q_NET.1) and $(ns 1) ($Q_NET.2)" \
     "${RATE:+rate $RATE }$other"
 }
@@ -267,6 +322,10 @@ node_exec() {
   local n
   n=$(node_of "$1")
   shift
+  if [ "$n" = s ]; then
+    [ -e "/run/netns/$(ns s)" ] || die "the stranger is not up (up with STRANGER=1)"
+    exec nsenter --net="/run/netns/$(ns s)" --wd="$PWD" env VSA_NODE=s "$@"
+  fi
   local ifname=$IF_Q
   ip -n "$(ns "$n")" link show $IF_O > /dev/null 2>&1 && ifname=$IF_O
   exec nsenter --net="/run/netns/$(ns "$n")" --mount="$STATE/n$n.mnt" \
@@ -278,7 +337,7 @@ node_exec() {
 counters() {
   require_up
   local n link ifname dir
-  for n in "${NODES[@]}"; do
+  for n in $(all_ns); do
     if has_nft; then
       ip netns exec "$(ns "$n")" nft list counters table $TABLE | awk -v node="$n" '
         $1 == "counter" { split($2, p, "_"); name = $2 }
@@ -287,8 +346,8 @@ counters() {
             node, p[1], p[3], p[2], $4, $2
           name = "" }'
     fi
-    for link in q o; do
-      ifname=$([ $link = q ] && echo $IF_Q || echo $IF_O)
+    for link in q o s; do
+      ifname=$(ifname_of $link)
       ip -n "$(ns "$n")" link show "$ifname" > /dev/null 2>&1 || continue
       for dir in tx rx; do
         ip netns exec "$(ns "$n")" sh -c "echo node=$n link=$link port=if dir=$dir \
@@ -303,7 +362,7 @@ reset() {
   require_up
   has_nft || return 0
   local n
-  for n in "${NODES[@]}"; do
+  for n in $(all_ns); do
     ip netns exec "$(ns "$n")" nft reset counters table $TABLE > /dev/null
   done
 }
@@ -317,6 +376,11 @@ status() {
     ip -n "$(ns "$n")" -br link show $IF_Q > /dev/null 2>&1 && tc -n "$(ns "$n")" qdisc show dev $IF_Q
     nsenter --mount="$STATE/n$n.mnt" --uts="$STATE/n$n.uts" sh -c 'echo "hostname $(hostname)"; df -h /dev/shm | tail -n 1'
   done
+  if [ -e "/run/netns/$(ns s)" ]; then
+    echo "== the stranger: $(ns s)"
+    ip -n "$(ns s)" -br addr
+    ip -n "$(ns s)" route
+  fi
 }
 
 cmd=${1:-}

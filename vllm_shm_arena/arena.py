@@ -7,8 +7,8 @@ Imports nothing of this package but the extension and ``settings``; the pickler 
 use a small surface of it, each part documented where it is defined:
 
 * for a transport (the queue): ``needs_flush``, ``give_back_unsent``, ``release_unacquired``,
-  ``write_blob``/``read_blob``, ``stats(holdings=False)``, and ``resolving_stubs(reader)``
-  around each message a reader unpickles;
+  ``write_blob``/``read_blob``, ``stats(holdings=False)``, and ``call_resolving_stubs(reader,
+  fn, ...)`` around each message a reader unpickles;
 * for the pickler (public by convention: underscore names, not for users): ``_write``,
   ``_abort``, ``_new_reducer``, ``_require_writer`` (the C writer's ``send_loan`` and
   ``count_decline``), and the module's ``_NAME_BY_DTYPE`` and ``_ARENA_REBUILD_FNS``.
@@ -101,10 +101,10 @@ class ArenaHandle:
 #: This process's attached reader arenas by shm name. Weak values: an entry disappears when
 #: nothing else holds the arena, so the registry never keeps a mapping (or its pinning) alive.
 _TENSOR_ARENAS: weakref.WeakValueDictionary[str, ShmTensorArena] = weakref.WeakValueDictionary()
-#: Per thread, the reader arena stubs resolve to first (set only by ``resolving_stubs``,
-#: around each message a queue's reader unpickles): two ranks of one arena attached in one
-#: process share its name, so the name registry alone would hand one rank's stubs to the
-#: other's reader.
+#: Per thread, the reader arena stubs resolve to first (set only by ``resolving_stubs`` and
+#: ``call_resolving_stubs``, around each message a queue's reader unpickles): two ranks of one
+#: arena attached in one process share its name, so the name registry alone would hand one
+#: rank's stubs to the other's reader.
 _CURRENT_READER = threading.local()
 
 _cuda_seen = False
@@ -511,6 +511,14 @@ class resolving_stubs:
 
     def __exit__(self, *exc) -> None:
         _CURRENT_READER.arena = self._prev
+
+
+def call_resolving_stubs(reader: ShmTensorArena, fn, *args):
+    """``fn(*args)`` with stubs unpickled in this thread resolving to ``reader`` first, like
+    ``with resolving_stubs(reader):``, but the previous reader is restored in C whatever
+    happens (a with-block's ``__exit__`` can be cut short by a signal handler's exception): a
+    queue's reader unpickles each message through this."""
+    return _C.call_with(_CURRENT_READER, "arena", reader, fn, args)
 
 
 def _lookup(arena_name: str) -> ShmTensorArena:

@@ -235,7 +235,9 @@ class MessageQueue:
         the message it is sent, and every reader gets it once, in order. Thread-safe: calls
         from several threads are serialised (a call waiting for another honours its own
         ``timeout``)."""
-        self._end.enqueue(obj, timeout)
+        # Returned, not called and dropped: no bytecode of this frame runs after the end's
+        # enqueue, where an exception would hide that the message was sent.
+        return self._end.enqueue(obj, timeout)
 
     def empty(self, shape, dtype=None):
         """Writer: a tensor to fill in place that ``enqueue`` then sends without copying (a

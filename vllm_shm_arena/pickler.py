@@ -19,7 +19,6 @@ from __future__ import annotations
 import copyreg
 import io
 import pickle
-import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -121,13 +120,16 @@ class _Pools:
     either costs about as much as pickling a small message.
 
     Held in ``_POOLS`` by the arena, weakly: nothing here keeps the arena alive (an idle
-    pickler's ``arena`` is cleared while it waits), so the pools go with their arena.
+    pickler's ``arena`` is cleared while it waits), so the pools go with their arena. No lock:
+    a list's pop and append are atomic under the GIL, and the caps are soft (two threads may
+    both give one back past a cap; the next take evens it out). A lock held in a with-block
+    could be left held by a signal handler's exception raised between the block's last
+    bytecode and its exit.
     """
 
-    __slots__ = ("_lock", "_reducers", "_picklers", "__weakref__")
+    __slots__ = ("_reducers", "_picklers", "__weakref__")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._reducers: list = []  # idle (C reducer, diverted list, min_bytes)
         self._picklers: list = []  # idle (pickler, BytesIO, buffers, python reducer?)
 
@@ -137,51 +139,49 @@ class _Pools:
         if min_bytes is None:
             min_bytes = arena.min_bytes
         if min_bytes == arena.min_bytes:
-            with self._lock:
-                if self._reducers:
-                    entry = self._reducers.pop()
-                    entry[1].clear()
-                    return entry
+            try:
+                entry = self._reducers.pop()
+            except IndexError:
+                pass
+            else:
+                entry[1].clear()
+                return entry
         diverted: list = []
         return (arena._new_reducer(min_bytes, diverted), diverted, min_bytes)
 
     def give_back_reducer(self, arena: ShmTensorArena, entry) -> None:
-        if entry[2] != arena.min_bytes:
-            return
-        with self._lock:
-            if len(self._reducers) < _POOL_SIZE:
-                self._reducers.append(entry)
+        if entry[2] == arena.min_bytes and len(self._reducers) < _POOL_SIZE:
+            self._reducers.append(entry)
 
     def take_pickler(self, arena: ShmTensorArena, py_reducer: bool):
         """An idle (pickler, BytesIO, buffers) of ``dump_message``'s, made ``arena``'s again,
         or None."""
-        with self._lock:
-            while self._picklers:
+        while True:
+            try:
                 *cached, flag = self._picklers.pop()
-                if flag == py_reducer:
-                    cached[0].arena = arena
-                    return tuple(cached)
-        return None
+            except IndexError:
+                return None
+            if flag == py_reducer:
+                cached[0].arena = arena
+                return tuple(cached)
 
     def give_back_pickler(self, cached, py_reducer: bool) -> None:
-        with self._lock:
-            if len(self._picklers) < _POOL_SIZE:
-                cached[0].arena = None  # an idle pickler must not keep its arena alive
-                self._picklers.append((*cached, py_reducer))
-                return
+        if len(self._picklers) < _POOL_SIZE:
+            cached[0].arena = None  # an idle pickler must not keep its arena alive
+            self._picklers.append((*cached, py_reducer))
+            return
         cached[0].release()
 
 
 #: Each writer arena's pools (weak keys: they go with the arena).
 _POOLS: weakref.WeakKeyDictionary[ShmTensorArena, _Pools] = weakref.WeakKeyDictionary()
-_POOLS_LOCK = threading.Lock()
 
 
 def _pools(arena: ShmTensorArena) -> _Pools:
     pools = _POOLS.get(arena)
     if pools is None:
-        with _POOLS_LOCK:
-            pools = _POOLS.setdefault(arena, _Pools())
+        # Two threads may both make one: one of them is kept, the other used once.
+        pools = _POOLS.setdefault(arena, _Pools())
     return pools
 
 

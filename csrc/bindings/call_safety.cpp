@@ -1,7 +1,13 @@
 #include "bindings/call_safety.h"
 
 #include <Python.h>
+#include <dlfcn.h>
+#include <link.h>
 #include <pythread.h>
+
+#include <cerrno>
+#include <cstring>
+#include <type_traits>
 
 #include <chrono>
 #include <cstdint>
@@ -24,8 +30,8 @@ constexpr int64_t kLockSliceNs = 20'000'000;
 
 uint64_t this_thread_token() { return static_cast<uint64_t>(PyThread_get_thread_ident()); }
 
-/// _C.CallLock: threading.Lock's interface (acquire, release, locked) over core CallLock,
-/// plus hold(timeout, what), the guard a queue call holds it with.
+/// _C.CallLock: threading.Lock's interface (acquire, release, locked) over core CallLock; a
+/// queue call holds it through call_locked.
 class PyCallLock {
  public:
   /// Takes the lock (blocking: waiting up to `timeout` s, < 0 without limit) -> whether this
@@ -72,76 +78,196 @@ class PyCallLock {
   CallLock core_;
 };
 
-/// What `with lock.hold(timeout, what):` holds: the lock taken in __enter__ and let go in
-/// __exit__, both C, so nothing a signal handler raises can fall between the taking and the
-/// with-block (CPython runs handlers between bytecodes, and a with-block's cleanup covers the
-/// bytecode right after __enter__ returns).
-class CallGuard {
- public:
-  CallGuard(std::shared_ptr<PyCallLock> lock, double timeout_s, std::string what)
-      : lock_(std::move(lock)), timeout_s_(timeout_s), what_(std::move(what)) {}
-
-  void enter() {
-    switch (lock_->take(timeout_s_)) {
-      case CallLock::Result::kAcquired:
-        held_ = true;
-        return;
-      case CallLock::Result::kHeldByCaller:
-        throw std::runtime_error(
-            "a call on this MessageQueue from inside another of its calls in the same thread "
-            "(a signal handler?); the queue's calls do not nest");
-      case CallLock::Result::kTimeout:
-        break;
-    }
-    PyErr_SetString(PyExc_TimeoutError,
-                    ("timed out waiting for another thread's " + what_ + " on this queue").c_str());
-    throw py::error_already_set();
+/// Runs fn(*args) holding `lock`: taken (waiting up to `timeout_s`, < 0 without limit,
+/// TimeoutError naming `what`; RuntimeError for a nested call of the same thread) and let go
+/// here, in C, whatever fn returns or raises. No bytecode of the caller's runs between the
+/// taking and fn, or between fn's end and the letting go, so no exception a signal handler
+/// raises can leave the lock held (a with-block cannot promise that: its __exit__ is called by
+/// bytecodes of the caller's after the block's last one).
+py::object call_locked(PyCallLock& lock, double timeout_s, const std::string& what,
+                       const py::object& fn, const py::tuple& args) {
+  switch (lock.take(timeout_s)) {
+    case CallLock::Result::kAcquired:
+      break;
+    case CallLock::Result::kHeldByCaller:
+      throw std::runtime_error(
+          "a call on this MessageQueue from inside another of its calls in the same thread (a "
+          "signal handler?); the queue's calls do not nest");
+    case CallLock::Result::kTimeout:
+      PyErr_SetString(
+          PyExc_TimeoutError,
+          ("timed out waiting for another thread's " + what + " on this queue").c_str());
+      throw py::error_already_set();
   }
+  py::object out;
+  try {
+    out = fn(*args);
+  } catch (...) {
+    lock.release();
+    throw;
+  }
+  lock.release();
+  return out;
+}
 
-  bool exit(const py::args&) {
-    if (held_) {
-      held_ = false;
-      lock_->release();
-    }
-    return false;
+// ---------------------------------------------------------------------------------------
+// libzmq, called directly. pyzmq's send and receive run the process's signal handlers after
+// every call (its _check_rc calls PyErr_CheckSignals, success or not), so what a handler raises
+// there hides whether a frame went or came: a message could be half sent, or a received frame
+// dropped. The queue's sends and receives call libzmq itself (the library pyzmq loaded, found
+// among the process's loaded objects) and run no handler: a signal that arrives meanwhile is
+// handled by the caller's next bytecode, after this call has recorded what it did.
+
+struct ZmqMsg {
+  unsigned char _[64];  // zmq_msg_t: 64 bytes, opaque (zmq.h)
+};
+
+struct ZmqApi {
+  int (*msg_init)(ZmqMsg*) = nullptr;
+  int (*msg_recv)(ZmqMsg*, void*, int) = nullptr;
+  int (*msg_close)(ZmqMsg*) = nullptr;
+  void* (*msg_data)(ZmqMsg*) = nullptr;
+  size_t (*msg_size)(const ZmqMsg*) = nullptr;
+  int (*msg_more)(const ZmqMsg*) = nullptr;
+  int (*send)(void*, const void*, size_t, int) = nullptr;
+  int (*errno_)() = nullptr;
+};
+
+int find_libzmq(struct dl_phdr_info* info, size_t, void* out) {
+  if (info->dlpi_name != nullptr && std::strstr(info->dlpi_name, "libzmq") != nullptr) {
+    *static_cast<std::string*>(out) = info->dlpi_name;
+    return 1;
+  }
+  return 0;
+}
+
+const ZmqApi& zmq_api() {
+  static const ZmqApi api = [] {
+    std::string path;
+    dl_iterate_phdr(find_libzmq, &path);
+    void* h = path.empty() ? RTLD_DEFAULT : dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    if (h == nullptr) h = RTLD_DEFAULT;
+    ZmqApi a;
+    auto sym = [&](auto& fp, const char* name) {
+      fp = reinterpret_cast<std::remove_reference_t<decltype(fp)>>(dlsym(h, name));
+      if (fp == nullptr) {
+        throw std::runtime_error(std::string("vllm_shm_arena: libzmq's ") + name +
+                                 " not found in this process (import zmq first)");
+      }
+    };
+    sym(a.msg_init, "zmq_msg_init");
+    sym(a.msg_recv, "zmq_msg_recv");
+    sym(a.msg_close, "zmq_msg_close");
+    sym(a.msg_data, "zmq_msg_data");
+    sym(a.msg_size, "zmq_msg_size");
+    sym(a.msg_more, "zmq_msg_more");
+    sym(a.send, "zmq_send");
+    sym(a.errno_, "zmq_errno");
+    return a;
+  }();
+  return api;
+}
+
+/// pyzmq's exception for libzmq error `err` (zmq.Again for EAGAIN), set as the Python error.
+[[noreturn]] void raise_zmq_error(int err) {
+  py::module_ zmq = py::module_::import("zmq");
+  py::object cls = zmq.attr(err == EAGAIN ? "Again" : "ZMQError");
+  PyErr_SetObject(cls.ptr(), cls(err).ptr());
+  throw py::error_already_set();
+}
+
+/// A received frame: the libzmq message, read as a writable buffer (tensors may alias it,
+/// keeping it alive), closed when the last view is gone.
+class ZmqFrame {
+ public:
+  ZmqFrame() = default;
+  ZmqFrame(const ZmqFrame&) = delete;
+  ZmqFrame& operator=(const ZmqFrame&) = delete;
+  ~ZmqFrame() {
+    if (open_) zmq_api().msg_close(&msg_);
+  }
+  ZmqMsg* msg() { return &msg_; }
+  void opened() { open_ = true; }
+  uint8_t* data() { return static_cast<uint8_t*>(zmq_api().msg_data(&msg_)); }
+  size_t size() const { return zmq_api().msg_size(&msg_); }
+  /// A memoryview of the frame (pyzmq's Frame.buffer).
+  py::memoryview buffer(py::object self) {
+    PyObject* mv = PyMemoryView_FromObject(self.ptr());
+    if (mv == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::memoryview>(mv);
   }
 
  private:
-  std::shared_ptr<PyCallLock> lock_;
-  double timeout_s_;
-  std::string what_;
-  bool held_ = false;
+  ZmqMsg msg_{};
+  bool open_ = false;
 };
 
-/// Sends `frames` as one message through `send` (called as send(sock, frame, flags): pyzmq's
-/// C-level Socket.send, never the Python one, whose bytecode a handler could interrupt).
-/// `first_flags` go with the first frame, `more` with every frame but the last. After each
-/// frame the socket took, progress[0] is its count, in this same C call: whatever is raised,
-/// in a frame's send or as this returns, progress says exactly how much went.
-void send_frames(const py::object& send, const py::object& sock, const py::list& frames,
-                 int first_flags, int more, const py::list& progress) {
-  const size_t n = frames.size();
+/// Sends `frames` as one message on the libzmq socket `handle` (pyzmq's Socket.underlying),
+/// copied. `first_flags` go with the first frame, `more` with every frame but the last. After
+/// each frame the socket took, progress[0] is its count, in this same C call: whatever this
+/// raises, progress says exactly how much went. The first frame may fail (zmq.Again: nothing
+/// went); a later one is retried through EINTR, so a message never stops half-way for a
+/// signal.
+void send_frames(uintptr_t handle, const py::list& frames, int first_flags, int more,
+                 const py::list& progress) {
+  const ZmqApi& z = zmq_api();
+  void* sock = reinterpret_cast<void*>(handle);
+  if (sock == nullptr) raise_zmq_error(ENOTSOCK);
   if (progress.size() < 1) throw py::value_error("progress must have one item");
   progress[0] = 0;
+  const size_t n = frames.size();
   for (size_t i = 0; i < n; ++i) {
     int flags = (i + 1 < n) ? more : 0;
     if (i == 0) flags |= first_flags;
-    send(sock, frames[i], flags);
+    Py_buffer view;
+    if (PyObject_GetBuffer(frames[i].ptr(), &view, PyBUF_SIMPLE) != 0)
+      throw py::error_already_set();
+    int rc;
+    int err = 0;
+    auto send = [&] {
+      for (;;) {
+        rc = z.send(sock, view.buf, static_cast<size_t>(view.len), flags);
+        if (rc >= 0) return;
+        err = z.errno_();
+        if (err != EINTR || i == 0) return;  // a first frame interrupted: nothing went
+      }
+    };
+    if (view.len >= (1 << 20)) {
+      with_nogil(send);  // the copy of a large frame
+    } else {
+      send();
+    }
+    PyBuffer_Release(&view);
+    if (rc < 0) raise_zmq_error(err);
     progress[0] = i + 1;
   }
 }
 
-/// Receives one whole message through `recv` (called as recv(sock, flags, False): pyzmq's
-/// C-level Socket.recv, zero-copy Frames) -> the list of its frames. Call once the socket has a
-/// message (ZeroMQ delivers a message's frames together, so `flags` (NOBLOCK) never leaves one
-/// half read), and through call_store/call_append, so that the list reaches the caller's state
-/// before any of its Python code runs.
-py::list recv_frames(const py::object& recv, const py::object& sock, int flags) {
+/// Receives one whole message from the libzmq socket `handle` -> [ZmqFrame, ...]. Call once
+/// the socket has a message (ZeroMQ delivers a message's frames together, so `flags`
+/// (NOBLOCK) never leaves one half read), and through call_store/call_append, so that the
+/// list reaches the caller's state before any of its Python code runs.
+py::list recv_frames(uintptr_t handle, int flags) {
+  const ZmqApi& z = zmq_api();
+  void* sock = reinterpret_cast<void*>(handle);
+  if (sock == nullptr) raise_zmq_error(ENOTSOCK);
   py::list frames;
   for (;;) {
-    py::object f = recv(sock, flags, false);
-    frames.append(f);
-    if (!f.attr("more").cast<bool>()) break;
+    auto f = std::make_shared<ZmqFrame>();
+    z.msg_init(f->msg());
+    f->opened();
+    int rc;
+    for (;;) {
+      rc = z.msg_recv(f->msg(), sock, flags);
+      if (rc >= 0 || z.errno_() != EINTR || frames.size() == 0) break;
+    }
+    if (rc < 0) {
+      if (frames.size() == 0) raise_zmq_error(z.errno_());
+      throw std::runtime_error("libzmq failed a message's later frame");  // never: see above
+    }
+    const bool has_more = z.msg_more(f->msg()) != 0;
+    frames.append(py::cast(f));
+    if (!has_more) break;
   }
   return frames;
 }
@@ -153,6 +279,39 @@ void call_store(const py::object& container, const py::object& key, const py::ob
                 const py::tuple& args) {
   py::object result = fn(*args);
   container[key] = result;
+}
+
+/// fn(*args) with target.name set to `value`, the previous value (or its absence) restored
+/// here, in C, whatever fn does: a with-block's __exit__ could be cut short by a signal
+/// handler's exception before it restores anything.
+py::object call_with(const py::object& target, const py::str& name, const py::object& value,
+                     const py::object& fn, const py::tuple& args) {
+  const bool had = py::hasattr(target, name);
+  py::object prev = had ? target.attr(name) : py::none();
+  target.attr(name) = value;
+  auto restore = [&] {
+    if (had) {
+      target.attr(name) = prev;
+    } else if (PyObject_DelAttr(target.ptr(), name.ptr()) != 0) {
+      PyErr_Clear();
+    }
+  };
+  py::object out;
+  try {
+    out = fn(*args);
+  } catch (py::error_already_set& e) {
+    e.restore();  // keep fn's exception while restoring
+    PyObject *type, *val, *tb;
+    PyErr_Fetch(&type, &val, &tb);
+    restore();
+    PyErr_Restore(type, val, tb);
+    throw py::error_already_set();
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
+  return out;
 }
 
 /// sink.append(fn(*args)), likewise.
@@ -171,27 +330,32 @@ void bind_call_safety(py::module_& m) {
       .def("release", &PyCallLock::release)
       .def("locked", &PyCallLock::locked)
       // Whether the calling thread holds it.
-      .def("held_by_caller", &PyCallLock::held_by_caller)
-      // The guard of one call: `with lock.hold(timeout_s, "dequeue"):` (TimeoutError naming
-      // `what` after timeout_s, < 0 without limit; RuntimeError for a nested call).
-      .def(
-          "hold",
-          [](std::shared_ptr<PyCallLock> self, double timeout_s, std::string what) {
-            return CallGuard(std::move(self), timeout_s, std::move(what));
-          },
-          py::arg("timeout_s"), py::arg("what"));
-  py::class_<CallGuard>(m, "CallGuard")
-      .def("__enter__", &CallGuard::enter)
-      .def("__exit__", &CallGuard::exit);
-  // One ZeroMQ message's frames through send(sock, frame, flags), progress[0] = frames taken.
-  m.def("send_frames", &send_frames, py::arg("send"), py::arg("sock"), py::arg("frames"),
-        py::arg("first_flags"), py::arg("more"), py::arg("progress"));
-  // One ZeroMQ message's frames through recv(sock, flags, False) -> [Frame, ...].
-  m.def("recv_frames", &recv_frames, py::arg("recv"), py::arg("sock"), py::arg("flags"));
+      .def("held_by_caller", &PyCallLock::held_by_caller);
+  // fn(*args) with the lock held, taken and let go in C (TimeoutError naming `what` after
+  // timeout_s, < 0 without limit; RuntimeError for a nested call).
+  m.def("call_locked", &call_locked, py::arg("lock"), py::arg("timeout_s"), py::arg("what"),
+        py::arg("fn"), py::arg("args"));
+  // A received frame: a writable buffer over the libzmq message (.buffer: a memoryview).
+  py::class_<ZmqFrame, std::shared_ptr<ZmqFrame>>(m, "ZmqFrame", py::buffer_protocol())
+      .def_buffer([](ZmqFrame& f) {
+        return py::buffer_info(f.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(f.size())}, {1}, /*readonly=*/false);
+      })
+      .def_property_readonly("buffer",
+                             [](py::object self) { return self.cast<ZmqFrame&>().buffer(self); })
+      .def("__len__", &ZmqFrame::size);
+  // One message's frames on libzmq socket `handle` (Socket.underlying), progress[0] = taken.
+  m.def("send_frames", &send_frames, py::arg("handle"), py::arg("frames"), py::arg("first_flags"),
+        py::arg("more"), py::arg("progress"));
+  // One message's frames from libzmq socket `handle` -> [ZmqFrame, ...].
+  m.def("recv_frames", &recv_frames, py::arg("handle"), py::arg("flags"));
   // container[key] = fn(*args) / sink.append(fn(*args)), each in one C call.
   m.def("call_store", &call_store, py::arg("container"), py::arg("key"), py::arg("fn"),
         py::arg("args"));
   m.def("call_append", &call_append, py::arg("fn"), py::arg("args"), py::arg("sink"));
+  // fn(*args) with target.name = value, the previous value restored in C.
+  m.def("call_with", &call_with, py::arg("target"), py::arg("name"), py::arg("value"),
+        py::arg("fn"), py::arg("args"));
   // The exit hook's side of the GIL-free calls' gate: let none start from now on, then wait up
   // to timeout_s (GIL released) for threads inside one -> how many are still inside.
   m.def(

@@ -6,6 +6,14 @@ A node is a network namespace with its own mount, UTS and IPC namespaces (a priv
 (10.78.0.x). The test process itself stays in the host's namespaces: everything that talks over
 the links runs as a child on one of the nodes (``TwoNodes.popen`` / ``TwoNodes.python``).
 
+``TwoNodes(stranger=True)`` adds a third network namespace, the stranger (``STRANGER``, "s"):
+a host that is not one of the queue's nodes, on its own veth link to node 0 (link ``"s"``,
+10.79.0.1 on node 0, 10.79.0.2 on the stranger). It reaches node 0's addresses, the queue
+link's 10.77.0.1 included (node 0 accepts a packet for any of its addresses on any interface),
+but not node 1 (node 0 forwards nothing), and all its traffic is on link "s", counted there
+(``counters()`` has node ``"s"`` too). ``python(STRANGER, ...)`` runs a child there (network
+namespace only: the host's mounts).
+
     from netns import two_nodes_or_skip
 
     def test_remote_reader():
@@ -48,6 +56,9 @@ TESTS = Path(__file__).resolve().parent
 QUEUE_ADDR = {0: "10.77.0.1", 1: "10.77.0.2"}
 QUEUE_ADDR6 = {0: "fd77::1", 1: "fd77::2"}
 OTHER_ADDR = {0: "10.78.0.1", 1: "10.78.0.2"}
+#: The stranger (``TwoNodes(stranger=True)``) and its link's addresses (node 0's end, its own).
+STRANGER = "s"
+STRANGER_LINK_ADDR = {0: "10.79.0.1", STRANGER: "10.79.0.2"}
 
 #: setns(2)'s namespace kinds (os.CLONE_* exist from Python 3.12 only).
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWNET = 0x20000, 0x4000000, 0x8000000, 0x40000000
@@ -64,7 +75,7 @@ def _setns_fd(fd: int, kind: int, what: str) -> None:
 _SETS = itertools.count()
 
 _LINE = re.compile(
-    r"node=(?P<node>\d) link=(?P<link>\w) port=(?P<port>\w+) dir=(?P<dir>tx|rx) "
+    r"node=(?P<node>\d|s) link=(?P<link>\w) port=(?P<port>\w+) dir=(?P<dir>tx|rx) "
     r"bytes=(?P<bytes>\d+) packets=(?P<packets>\d+)"
 )
 
@@ -97,9 +108,10 @@ class Counter:
 
 
 class Counters(dict):
-    """Counter by ``(node, link, port, dir)``; ``port`` is a number, ``"tcp"`` (all TCP on the
-    link) or ``"if"`` (the interface's own counters); ``dir`` is ``"tx"`` or ``"rx"`` as seen
-    by ``node``. ``later - earlier`` gives what happened in between."""
+    """Counter by ``(node, link, port, dir)``; ``node`` is 0, 1 or ``STRANGER``; ``port`` is a
+    number, ``"tcp"`` (all TCP on the link) or ``"if"`` (the interface's own counters); ``dir``
+    is ``"tx"`` or ``"rx"`` as seen by ``node``. ``later - earlier`` gives what happened in
+    between."""
 
     def __sub__(self, earlier: Counters) -> Counters:
         zero = Counter(0, 0)
@@ -112,17 +124,17 @@ class Counters(dict):
             }
         )
 
-    def get_counter(self, node: int, port: int | str, dir: str, link: str = "q") -> Counter:
+    def get_counter(self, node: int | str, port: int | str, dir: str, link: str = "q") -> Counter:
         key = (node, link, str(port), dir)
         if key not in self:
             raise KeyError(f"no counter for node {node} link {link} port {port} {dir}")
         return self[key]
 
-    def tx(self, node: int, port: int | str, link: str = "q") -> int:
+    def tx(self, node: int | str, port: int | str, link: str = "q") -> int:
         """Bytes ``node`` sent on ``link`` from or to ``port``."""
         return self.get_counter(node, port, "tx", link).bytes
 
-    def rx(self, node: int, port: int | str, link: str = "q") -> int:
+    def rx(self, node: int | str, port: int | str, link: str = "q") -> int:
         """Bytes ``node`` received on ``link`` from or to ``port``."""
         return self.get_counter(node, port, "rx", link).bytes
 
@@ -134,7 +146,8 @@ def parse_counters(text: str) -> Counters:
         m = _LINE.fullmatch(line.strip())
         if m is None:
             raise ValueError(f"unexpected counters line: {line!r}")
-        key = (int(m["node"]), m["link"], m["port"], m["dir"])
+        node = m["node"] if m["node"] == STRANGER else int(m["node"])
+        key = (node, m["link"], m["port"], m["dir"])
         out[key] = Counter(int(m["bytes"]), int(m["packets"]))
     return out
 
@@ -154,6 +167,7 @@ class TwoNodes:
         ports: Sequence[int] = (),
         shm_size: str = "512m",
         private_tmp: bool = False,
+        stranger: bool = False,
     ):
         self.prefix = prefix or f"vsat{os.getpid()}x{next(_SETS)}"
         self.rate = rate
@@ -161,6 +175,7 @@ class TwoNodes:
         self.ports = tuple(ports)
         self.shm_size = shm_size
         self.private_tmp = private_tmp
+        self.stranger = stranger
         self.is_up = False
         #: This thread's own network namespace while ``enter(mount=False)`` moved it.
         self._home_net: int | None = None
@@ -195,6 +210,8 @@ class TwoNodes:
             env["OTHER"] = "1"
         if self.private_tmp:
             env["PRIVATE_TMP"] = "1"
+        if self.stranger:
+            env["STRANGER"] = "1"
         if self.ports:
             env["PORTS"] = " ".join(str(p) for p in self.ports)
         self._script("up", **env)
@@ -216,8 +233,13 @@ class TwoNodes:
 
     # ------------------------------------------------------------------ addresses
     @staticmethod
-    def addr(node: int, *, ipv6: bool = False, link: str = "q") -> str:
-        """``node``'s address on the queue link (``link="q"``) or the other link (``"o"``)."""
+    def addr(node: int | str, *, ipv6: bool = False, link: str = "q") -> str:
+        """``node``'s address on the queue link (``link="q"``), the other link (``"o"``) or
+        the stranger's link (``"s"``: node 0 or ``STRANGER``; the stranger has no other)."""
+        if node == STRANGER or link == "s":
+            if ipv6:
+                raise ValueError("the stranger's link has no IPv6 address")
+            return STRANGER_LINK_ADDR[node]
         if link == "o":
             if ipv6:
                 raise ValueError("the other link has no IPv6 address")
@@ -241,19 +263,20 @@ class TwoNodes:
         return out
 
     def popen(
-        self, node: int, argv: Sequence[str], *, env: dict[str, str] | None = None, **kw
+        self, node: int | str, argv: Sequence[str], *, env: dict[str, str] | None = None, **kw
     ) -> subprocess.Popen:
-        """Starts ``argv`` on ``node`` (0 or 1) in the repository root; ``kw`` go to Popen."""
+        """Starts ``argv`` on ``node`` (0 or 1, or ``STRANGER`` when it is up) in the
+        repository root; ``kw`` go to Popen."""
         if not self.is_up:
             raise RuntimeError("the nodes are not up")
-        if node not in (0, 1):
-            raise ValueError(f"node must be 0 or 1, got {node!r}")
+        if node not in (0, 1) and not (node == STRANGER and self.stranger):
+            raise ValueError(f"node must be 0 or 1 (or {STRANGER!r} with stranger), got {node!r}")
         kw.setdefault("cwd", str(REPO))
         return subprocess.Popen(
             ["bash", str(SCRIPT), "exec", str(node), *argv], env=self.node_env(env), **kw
         )
 
-    def python(self, node: int, code: str, *args: str, **kw) -> subprocess.Popen:
+    def python(self, node: int | str, code: str, *args: str, **kw) -> subprocess.Popen:
         """Runs ``code`` (``python -c``) with this interpreter on ``node``; stdout and stderr
         are pipes (text) unless ``kw`` says otherwise."""
         kw.setdefault("stdout", subprocess.PIPE)
@@ -335,7 +358,8 @@ class TwoNodes:
             pytest.skip("per-port byte counters need nft (Debian: apt-get install nftables)")
 
     def watch(self, *ports: int) -> None:
-        """Counts TCP bytes from or to each of ``ports`` on both links, in both nodes."""
+        """Counts TCP bytes from or to each of ``ports`` on every link, in both nodes (and
+        the stranger)."""
         self._script("watch", *(str(p) for p in ports))
 
     def counters(self) -> Counters:

@@ -14,7 +14,7 @@ import pytest
 
 from vllm_shm_arena._ext import _C
 from vllm_shm_arena.mq import lifecycle
-from vllm_shm_arena.mq.lifecycle import Lifecycle, Resources, call_timeout
+from vllm_shm_arena.mq.lifecycle import Lifecycle, Resources
 
 
 class FakeEnd:
@@ -194,15 +194,13 @@ def test_the_finalizer_releases_the_resources_when_the_end_is_dropped():
 
 
 # ------------------------------------------------------------------ one end's lifecycle
-def test_a_calls_hold_honours_its_timeout_and_names_what_holds_the_lock():
+def test_a_call_honours_its_timeout_and_names_what_holds_the_lock():
     sut = Lifecycle(FakeEnd())
     taken = threading.Event()
     done = threading.Event()
 
     def holder():
-        with sut.call_lock.hold(call_timeout(None), "call"):
-            taken.set()
-            done.wait(10)
+        sut.call(None, "call", lambda: (taken.set(), done.wait(10)))
 
     th = threading.Thread(target=holder, daemon=True)
     th.start()
@@ -210,25 +208,33 @@ def test_a_calls_hold_honours_its_timeout_and_names_what_holds_the_lock():
     try:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="another thread's enqueue"):
-            with sut.call_lock.hold(call_timeout(0.1), "enqueue"):
-                pass
+            sut.call(0.1, "enqueue", lambda: None)
         assert time.monotonic() - t0 < 5
         with pytest.raises(TimeoutError):
-            with sut.call_lock.hold(call_timeout(-1.0), "enqueue"):  # negative: no wait at all
-                pass
+            sut.call(-1.0, "enqueue", lambda: None)  # a negative timeout: no wait at all
     finally:
         done.set()
         th.join(10)
     assert not sut.call_lock.locked()
 
 
+def test_a_call_returns_what_its_function_returns_and_lets_go_whatever_it_raises():
+    sut = Lifecycle(FakeEnd())
+    assert sut.call(None, "call", lambda a, b: (a, b, sut.call_lock.locked()), 1, 2) == (1, 2, True)
+    with pytest.raises(KeyError):
+        sut.call(None, "call", {}.__getitem__, "x")
+    assert not sut.call_lock.locked()
+
+
 def test_a_call_from_inside_a_call_of_the_same_thread_is_refused_not_deadlocked():
     sut = Lifecycle(FakeEnd())
-    with sut.call_lock.hold(call_timeout(None), "dequeue"):
+
+    def outer():
         with pytest.raises(RuntimeError, match="do not nest"):
-            with sut.call_lock.hold(call_timeout(None), "dequeue"):
-                pass
-        assert sut.call_lock.locked()
+            sut.call(None, "dequeue", lambda: None)
+        return sut.call_lock.locked()
+
+    assert sut.call(None, "dequeue", outer) is True
     assert not sut.call_lock.locked()
 
 

@@ -1,7 +1,8 @@
 """The two-node harness (scripts/netns_nodes.sh, tests/python/netns.py): the nodes are apart
 (own /dev/shm, hostname), the queue link carries TCP and ZeroMQ over IPv4 and IPv6, the port
-counters see the bytes sent (headers aside), the rate limit holds, and `down` / a failed `up`
-leave nothing behind. Skipped where namespaces cannot be made (not root, a container)."""
+counters see the bytes sent (headers aside), the rate limit holds, the stranger reaches node 0
+(and only node 0) over its own link, and `down` / a failed `up` leave nothing behind. Skipped
+where namespaces cannot be made (not root, a container)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import subprocess
 import time
 
 import pytest
-from netns import SCRIPT, TwoNodes, parse_counters, two_nodes_or_skip, unavailable_reason
+from netns import (
+    SCRIPT,
+    STRANGER,
+    TwoNodes,
+    parse_counters,
+    two_nodes_or_skip,
+    unavailable_reason,
+)
 
 MiB = 1 << 20
 
@@ -203,10 +211,50 @@ def test_parse_counters_reads_the_script_format():
         "node=1 link=o port=if dir=rx bytes=7 packets=2\n"
     )
     assert c.tx(0, 5555) == 10 and c.get_counter(1, "if", "rx", link="o").packets == 2
+    c = parse_counters("node=s link=s port=5555 dir=rx bytes=3 packets=1\n")
+    assert c.rx(STRANGER, 5555, link="s") == 3
     with pytest.raises(KeyError):
         c.rx(0, 5555)
     with pytest.raises(ValueError):
         parse_counters("node=0 link=q port=5555 bytes=1")
+
+
+# Connects to (host, port) and says whether that worked.
+_TCP_PROBE = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1).close()
+    print("reached")
+except OSError as e:
+    print("unreachable", type(e).__name__)
+"""
+
+
+def test_the_stranger_reaches_node_0_over_its_own_link():
+    """The stranger's TCP to node 0's queue address goes over link "s" (counted there, in node 0
+    and in the stranger, not on the queue link); node 1 is out of its reach; `down` removes
+    it."""
+    port, n = 15580, 4 * MiB
+    with two_nodes_or_skip(stranger=True) as nodes:
+        nodes.require_port_counters()
+        nodes.watch(port)
+        before = nodes.counters()
+        recv = nodes.python(0, _TCP_RECV, nodes.addr(0), str(port))
+        _wait_line(recv, "listening")
+        _finish(nodes.python(STRANGER, _TCP_SEND, nodes.addr(0), str(port), str(n)))
+        assert int(_finish(recv)) == n
+        d = nodes.counters() - before
+        probe = _finish(nodes.python(STRANGER, _TCP_PROBE, nodes.addr(1), str(port)))
+        assert probe.split()[0] == "unreachable", probe
+        p = nodes.popen(STRANGER, ["sh", "-c", "echo $VSA_NODE"], stdout=subprocess.PIPE, text=True)
+        assert _finish(p).strip() == STRANGER
+        prefix = nodes.prefix
+    print(f"stranger -> node 0: {n} payload bytes, stranger tx {d.tx(STRANGER, port, link='s')}")
+    assert n < d.tx(STRANGER, port, link="s") <= n + _overhead_bound(n)
+    assert d.rx(0, port, link="s") == pytest.approx(d.tx(STRANGER, port, link="s"), rel=0.01)
+    assert d.rx(0, port) == 0 and d.tx(0, port) == 0  # nothing on the queue link
+    assert d.tx(0, "if", link="s") > 0 and d.rx(STRANGER, "if", link="s") > 0
+    assert not os.path.exists(f"/run/netns/{prefix}-s")
 
 
 def test_rate_limit_slows_the_queue_link():

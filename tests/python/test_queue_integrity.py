@@ -62,19 +62,25 @@ class _Proxy:
 @contextlib.contextmanager
 def _hook_send(sock, hook):
     """Calls ``hook(real, frame, flags)`` for each frame the queue sends on ``sock`` (the
-    queue sends through pyzmq's C-level send, transport._SEND)."""
-    real = transport._SEND
+    queue sends a message's frames in one C call, transport._send_frames: this stands in for
+    it, frame by frame)."""
+    real = transport._send_frames
+    handle = sock.underlying
 
-    def send(s, frame, flags):
-        if s is sock:
-            return hook(lambda *a: real(s, *a), frame, flags)
-        return real(s, frame, flags)
+    def send_frames(h, frames, first_flags, more, progress):
+        if h != handle:
+            return real(h, frames, first_flags, more, progress)
+        progress[0] = 0
+        for i, f in enumerate(frames):
+            flags = (first_flags if i == 0 else 0) | (more if i + 1 < len(frames) else 0)
+            hook(lambda fr, fl: real(h, [fr], fl, 0, [0]), f, flags)
+            progress[0] = i + 1
 
-    transport._SEND = send
+    transport._send_frames = send_frames
     try:
         yield
     finally:
-        transport._SEND = real
+        transport._send_frames = real
 
 
 # ------------------------------------------------------------------ a timed-out dequeue

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from vllm_shm_arena.mq.lifecycle import Lifecycle, call_timeout
+from vllm_shm_arena.mq.lifecycle import Lifecycle
 from vllm_shm_arena.mq.reporting import Reporter
 
 
@@ -41,8 +41,7 @@ class End:
     def wait_until_ready(self, timeout: float | None = None) -> None:
         """The handshake of this end's role, under its call lock."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self.lifecycle.call_lock.hold(call_timeout(timeout), "call"):
-            self._handshake(deadline)
+        self.lifecycle.call(timeout, "call", self._handshake, deadline)
 
     def _handshake(self, deadline: float | None) -> None:
         raise NotImplementedError

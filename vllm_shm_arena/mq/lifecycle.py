@@ -128,14 +128,19 @@ class Lifecycle:
         self.closed = False
         # Serialises the end's calls (enqueue and wait_until_ready on the writer, dequeue on a
         # reader) and the timed report: the C++ ring ends are single-threaded. A call holds it
-        # with ``call_lock.hold(call_timeout(timeout), what)``, a with-block whose taking and
-        # letting go are C; a nested call of the same thread (a signal handler) is refused.
+        # through ``self.call(timeout, what, fn, *args)`` (``_C.call_locked``: taken and let go
+        # in C); a nested call of the same thread (a signal handler) is refused.
         self.call_lock = _C.CallLock()
         self.resources = Resources(self.pid)
         self.finalizer = weakref.finalize(owner, Resources.release, self.resources)
         # Not at exit on its own: the exit hook runs it after waking blocked threads.
         self.finalizer.atexit = False
         LIVE.add(owner)
+
+    def call(self, timeout: float | None, what: str, fn, *args):
+        """``fn(*args)`` holding the call lock (taken within ``timeout``, None: no limit, or
+        TimeoutError naming ``what``), taken and let go in C whatever happens."""
+        return _C.call_locked(self.call_lock, call_timeout(timeout), what, fn, args)
 
     def in_owner(self) -> bool:
         """Whether this process built the end (not a forked child holding a copy)."""

@@ -2,7 +2,7 @@
 blobs, the local socket, the writer's liveness) and a remote reader (the TCP socket).
 
 Both unpickle a message with stubs resolving to their own arena reader
-(``arena.resolving_stubs``); a message that fails to unpickle is consumed with its error, and
+(``arena.call_resolving_stubs``); a message that fails to unpickle is consumed with its error, and
 the arena slots it named go back, so the writer is never kept waiting for them.
 
 Interruptions. A signal handler runs between two bytecodes of whatever Python code is running
@@ -18,8 +18,9 @@ goes on from there:
                    overflow message, from the socket or a blob; + "holds": its arena slots,
                    held by this reader while it is unpickled, so an unpickling cut short can
                    run again), or a remote reader's list of socket frames
-    (_DECODED, obj)  unpickled; dequeue takes it out and returns ``obj``, putting it back if
-                   anything is raised before the return
+    (_DECODED, obj)  unpickled; dequeue moves it to a list of its own under the call lock
+                   and returns ``obj``, putting it back if anything is raised before the
+                   return
 
 A remote reader's sequence check is one store too: ``checked`` names the last entry that passed
 it, with its number.
@@ -36,9 +37,9 @@ from typing import Any
 
 from vllm_shm_arena import settings
 from vllm_shm_arena._ext import _C
-from vllm_shm_arena.arena import ShmTensorArena, resolving_stubs
+from vllm_shm_arena.arena import ShmTensorArena, call_resolving_stubs
 from vllm_shm_arena.mq.end import End
-from vllm_shm_arena.mq.lifecycle import WAIT_SLICE_S, call_timeout
+from vllm_shm_arena.mq.lifecycle import WAIT_SLICE_S
 from vllm_shm_arena.mq.protocol import (
     BLOB_MARKER,
     FLAG_BLOB,
@@ -109,8 +110,7 @@ def unpickle(frames: list, arena: ShmTensorArena | None) -> Any:
     if arena is None:
         return loads(frames[1], frames[2:])
     # This rank's reader, not whichever rank of the arena attached last here.
-    with resolving_stubs(arena):
-        return loads(frames[1], frames[2:])
+    return call_resolving_stubs(arena, loads, frames[1], frames[2:])
 
 
 class _ReaderEnd(End):
@@ -131,20 +131,24 @@ class _ReaderEnd(End):
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """See ``MessageQueue.dequeue``. The next message is returned now, or, if anything is
-        raised first (a signal handler's exception included), by the next call."""
+        raised first (a signal handler's exception included), by the next call: under the
+        call lock the message moves from the inbox to this call's ``claimed`` list in one C
+        call, and whatever is raised before it is returned puts it back."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        inbox = self.inbox
-        entry = None
+        claimed: list = []
         try:
-            with self.lifecycle.call_lock.hold(call_timeout(timeout), "dequeue"):
-                self._next(deadline, indefinite)  # inbox[0] is (_DECODED, obj) now
-                entry = inbox[0]
-                inbox.popleft()
-            return entry[1]
+            self.lifecycle.call(timeout, "dequeue", self._claim, deadline, indefinite, claimed)
+            return claimed[0][1]
         except BaseException:
-            if entry is not None and (not inbox or inbox[0] is not entry):
-                inbox.appendleft(entry)  # taken out, not returned: the next call returns it
+            if claimed:
+                self.inbox.appendleft(claimed[0])  # claimed, not returned: the next call's
             raise
+
+    def _claim(self, deadline: float | None, indefinite: bool, claimed: list) -> None:
+        """Under the call lock: the next message decoded, then moved to ``claimed``."""
+        inbox = self.inbox
+        self._next(deadline, indefinite)  # inbox[0] is (_DECODED, obj) now
+        _C.call_append(inbox.popleft, (), claimed)
 
     def _next(self, deadline: float | None, indefinite: bool) -> None:
         raise NotImplementedError

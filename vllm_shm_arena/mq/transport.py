@@ -65,6 +65,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import os
 import socket
 import threading
 import time
@@ -109,10 +110,10 @@ RESUME_GRACE_S = 1.0
 #: A reader waiting for an overflow message after the writer shut the ring down gives the
 #: socket this long to deliver what the writer's drain already handed to the kernel.
 SHUTDOWN_GRACE_S = 2.0
-#: pyzmq's C-level send and receive (the Python-level Socket.send runs bytecode a signal
-#: handler's exception could interrupt; see _C.send_frames and _C.recv_frames).
-_SEND = zmq.backend.Socket.send
-_RECV = zmq.backend.Socket.recv
+#: A message's frames sent and received through libzmq itself (csrc/bindings/call_safety.cpp:
+#: pyzmq's calls run signal handlers after each frame, hiding whether it went or came).
+_send_frames = _C.send_frames
+_recv_frames = _C.recv_frames
 #: ZAP's endpoint in a context (ZeroMQ's fixed name) and the domain of the queue's sockets.
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 REMOTE_DOMAIN = b"vllm_shm_arena.remote"
@@ -253,6 +254,7 @@ class Admission:
         self.pending: dict[int, float] = {}
         self.connected: dict[bytes, int] = {}  # accepted hello topic -> its principal
         self.refused = 0
+        self.admitted = 0  # connections ZAP admitted
         self.last_refusal = ""
 
     def may_admit(self, principal: int) -> bool:
@@ -265,6 +267,7 @@ class Admission:
             if at is not None and now - at < ADMIT_TIMEOUT_S:
                 return False
             self.pending[principal] = now
+            self.admitted += 1
             return True
 
     def refuse(self, key: str, why: str, address: str = "") -> None:
@@ -326,15 +329,41 @@ class Admission:
             self.pending.pop(principal, None)
 
 
+#: The writer's TCP socket's events the ZAP thread watches: connections accepted (their
+#: peers' addresses), handshakes that failed before ZAP was asked (a mechanism mismatch, junk,
+#: a CurveZMQ peer without the keys, the handshake interval run out) or by it, and ends.
+_WATCHED = (
+    zmq.EVENT_ACCEPTED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_DISCONNECTED
+)
+
+
+def _peer_of(fd: int) -> str:
+    """The address of the peer of the TCP connection ``fd`` (a descriptor ZeroMQ owns: read
+    through a duplicate); "" once it is gone. Best effort: a descriptor closed and reused
+    before this runs names another connection's peer."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as s:
+            host = s.getpeername()[0]
+    except OSError:
+        return ""
+    return str(host)
+
+
 class ZapHandler:
     """The writer's ZAP handler: a thread answering ZeroMQ's authentication requests for the
-    writer's context (each request is a connection to the TCP socket, or to the local one).
+    writer's context (each request is a connection to the TCP socket, or to the local one),
+    and counting the connections whose handshake failed before a request was made (from the
+    TCP socket's monitor).
 
-    Its REP socket lives in the writer's context, so ``ctx.term()`` ends it: the thread's
-    blocking receive fails with ETERM, it closes its socket, and the termination completes.
-    It holds nothing of the queue end (so a queue dropped without shutdown() is still
-    collected), only the admission state, the keys, and the writer's remote socket and
-    ``io_lock`` for reading subscriptions.
+    Its sockets live in the writer's context, so ``ctx.term()`` ends it: the thread's blocking
+    poll fails with ETERM, it closes its sockets, and the termination completes. It holds
+    nothing of the queue end (so a queue dropped without shutdown() is still collected), only
+    the admission state, the keys, and the writer's remote socket and ``io_lock`` for reading
+    subscriptions.
     """
 
     def __init__(
@@ -358,20 +387,32 @@ class ZapHandler:
             for r in expected:
                 self._curve_principals[z85.decode(keys.curve_client(r)[0])] = r
         self.security = security
+        self._peers: dict[int, str] = {}  # fd -> peer address, from EVENT_ACCEPTED
+        self._failed: str | None = None  # why the handshake whose end comes next failed
         self.sock = ctx.socket(zmq.REP)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(ZAP_ENDPOINT)
+        self.monitor = remote_sock.get_monitor_socket(_WATCHED)
+        self.monitor.setsockopt(zmq.LINGER, 0)
         self.thread = threading.Thread(target=self._run, name="vllm_shm_arena-zap", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        sock = self.sock
+        sock, monitor = self.sock, self.monitor
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             while True:
                 try:
+                    ready = dict(poller.poll())
+                    if monitor in ready:
+                        self._on_event(parse_monitor_message(monitor.recv_multipart()))
+                    if sock not in ready:
+                        continue
                     request = sock.recv_multipart()
                 except zmq.ZMQError:
-                    return  # ETERM: the context is terminating (or the socket was closed)
+                    return  # ETERM: the context is terminating (or a socket was closed)
                 try:
                     reply = self.decide(request)
                 except Exception as e:  # a bug here must not leave ZeroMQ waiting
@@ -383,6 +424,28 @@ class ZapHandler:
                     return
         finally:
             sock.close(linger=0)
+            monitor.close(linger=0)
+
+    def _on_event(self, ev: dict) -> None:
+        """One event of the TCP socket. ZeroMQ's I/O thread reports a connection's failed
+        handshake and then its end, one after the other, so the end that follows a failure
+        is that connection's."""
+        event, value = ev["event"], ev["value"]
+        if event == zmq.EVENT_ACCEPTED:
+            self._peers[value] = _peer_of(value)
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            self._failed = ""  # ZAP refused it: counted there
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            self._failed = f"a failed ZMTP handshake (protocol error {value:#x})"
+        elif event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            self._failed = (
+                f"a failed ZMTP handshake ({os.strerror(value) if value else 'no detail'})"
+            )
+        elif event == zmq.EVENT_DISCONNECTED:
+            peer = self._peers.pop(value, "")
+            why, self._failed = self._failed, None
+            if why:
+                self.admission.refuse("tcp_handshake", why, peer)
 
     @staticmethod
     def _reply(request: list, status: bytes, text: str, user: bytes) -> list:
@@ -625,7 +688,7 @@ class WriterSockets:
                 self.read_subscriptions()
             while True:
                 try:
-                    _C.send_frames(_SEND, sock, frames, zmq.NOBLOCK, zmq.SNDMORE, progress)
+                    _send_frames(sock.underlying, frames, zmq.NOBLOCK, zmq.SNDMORE, progress)
                     return
                 except zmq.Again:
                     if progress[0] or not may_wait:
@@ -827,7 +890,7 @@ class ReaderSocket:
                     if sock.poll(0):
                         break
             # Zero-copy frames: each belongs to this reader for good, so tensors may alias them.
-            store(_C.recv_frames, (_RECV, sock, zmq.NOBLOCK))
+            store(_recv_frames, (sock.underlying, zmq.NOBLOCK))
 
     def open(self, frames: list) -> tuple[int, list]:
         """A received message's frames -> (its sequence number, its frames with frame 0's

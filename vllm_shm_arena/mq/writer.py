@@ -27,7 +27,7 @@ from vllm_shm_arena import metrics, settings, sizing
 from vllm_shm_arena._ext import _C
 from vllm_shm_arena.arena import ShmTensorArena
 from vllm_shm_arena.mq.end import End
-from vllm_shm_arena.mq.lifecycle import DRAIN_S, WAIT_SLICE_S, call_timeout
+from vllm_shm_arena.mq.lifecycle import DRAIN_S, WAIT_SLICE_S
 from vllm_shm_arena.mq.protocol import (
     BLOB_FLAGS,
     BLOB_MARKER,
@@ -80,6 +80,15 @@ def check_int(name: str, value, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
+_SENT_NOTE = "vllm_shm_arena: this message was sent before the exception; do not send it again"
+
+
+def note_sent(exc: BaseException) -> None:
+    """Tells the caller of an enqueue that raised ``exc`` that its message went out (once)."""
+    if hasattr(exc, "add_note") and _SENT_NOTE not in getattr(exc, "__notes__", ()):
+        exc.add_note(_SENT_NOTE)
+
+
 class Sending:
     """What one enqueue has committed so far, recorded step by step (see ``settle``). Each
     record is one store, or made in the C call that commits (``sent``'s counts), so that an
@@ -91,10 +100,9 @@ class Sending:
         "remote_frames",
         "seq",
         "fits",
-        "blob",
         "ring_seq",
         "sent",
-        "socket_owed",
+        "ring",
         "done",
     )
 
@@ -105,11 +113,17 @@ class Sending:
         self.remote_frames: list | None = None  # the remote socket's encoding
         self.seq = 0  # the message's sequence number
         self.fits = False
-        self.blob: tuple[int, int, int] | None = None  # (slot, generation, nbytes)
         self.ring_seq: int | None = None  # ring.published() just before the publish
         self.sent: dict[int, list] = {}  # id(socket) -> [frames queued on it]
-        self.socket_owed = False  # the ring announced it; the local socket has not taken it
+        #: What C calls committed, stored in the call: "blob", the arena blob (slot, generation,
+        #: nbytes) or None; "status", what the ring's last write returned: "ok" (a message or
+        #: a blob marker), "no_space" or True (an overflow marker: the socket owes it).
+        self.ring: dict = {}
         self.done = False  # every step finished and counted
+
+    @property
+    def blob(self) -> tuple[int, int, int] | None:
+        return self.ring.get("blob")
 
     def taken(self, sock) -> int:
         """Frames of this message ``sock`` took."""
@@ -284,17 +298,30 @@ class WriterEnd(End):
 
     # ------------------------------------------------------------------ sending
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
-        """See ``MessageQueue.enqueue``."""
+        """See ``MessageQueue.enqueue``. Whatever is raised (a signal handler's exception
+        included) after the message went out carries a note saying it was sent."""
+        return self._enqueue(obj, timeout, None)
+
+    def _enqueue(self, obj: Any, timeout: float | None, result: Any) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
         self.check_can_send()
-        with self.lifecycle.call_lock.hold(call_timeout(timeout), "enqueue"):
-            self.check_can_send()
-            sending = Sending()
-            try:
-                self._send_message(obj, deadline, sending)
-            except BaseException as e:
-                self.settle(sending, e)
-                raise
+        sending = Sending()
+        try:
+            self.lifecycle.call(timeout, "enqueue", self._send_locked, obj, deadline, sending)
+            return result
+        except BaseException as e:
+            if sending.done:
+                note_sent(e)
+            raise
+
+    def _send_locked(self, obj: Any, deadline: float | None, sending: Sending) -> None:
+        """Under the call lock: the message sent, or settled (see ``settle``)."""
+        self.check_can_send()
+        try:
+            self._send_message(obj, deadline, sending)
+        except BaseException as e:
+            self.settle(sending, e)
+            raise
 
     def _send_message(self, obj: Any, deadline: float | None, sending: Sending) -> None:
         if self.serialize_inband:
@@ -348,7 +375,9 @@ class WriterEnd(End):
                 if ring.reserve(WAIT_SLICE_S if left is None else min(WAIT_SLICE_S, left)):
                     break
             if not fits and self.arena is not None and self.blob_max:
-                sending.blob = self.arena.write_blob(frames, self.blob_max)
+                # Stored in the C call that allocated and published it: settle gives it back.
+                write = self.arena._require_writer().write_frames
+                _C.call_store(sending.ring, "blob", write, (frames, self.blob_max))
         remote = self.sockets.remote
         if remote is not None:
             remote_frames = sending.remote_frames
@@ -363,42 +392,47 @@ class WriterEnd(End):
             self.publish_local(frames, fits, sending)
 
     def publish_local(self, frames: list, fits: bool, sending: Sending) -> None:
-        """Step (4) of ``send``: the reserved chunk is published; it never waits."""
+        """Step (4) of ``send``: the reserved chunk is published; it never waits. What the
+        ring published is recorded in the C call that published it (``sending.ring``), so that
+        ``settle`` knows whether the local socket owes the message."""
         ring = self.ring
+        rec = sending.ring
         sending.ring_seq = ring.published()
-        status = "overflow"
         if fits:
-            status = ring.write(frames, 0, 0.0)
+            _C.call_store(rec, "status", ring.write, (frames, 0, 0.0))
         elif sending.blob is not None:
-            status = ring.write([BLOB_MARKER.pack(*sending.blob)], BLOB_FLAGS, 0.0)
-            if status == "ok":
+            _C.call_store(
+                rec, "status", ring.write, ([BLOB_MARKER.pack(*sending.blob)], BLOB_FLAGS, 0.0)
+            )
+        if rec.get("status") == "ok":
+            if sending.blob is not None:
                 self.counters["overflow_messages"] += 1
                 self.counters["blob_messages"] += 1
-                return
-        if status == "ok":
-            self.counters["ring_messages"] += 1
+            else:
+                self.counters["ring_messages"] += 1
             return
-        if status == "no_space":  # the ring published an overflow marker instead
+        if rec.get("status") == "no_space":  # the ring published an overflow marker instead
             self.reporter.log(
                 "no_space_ring",
                 logging.WARNING,
                 "ring chunk could not be backed (/dev/shm full); message sent over the socket",
             )
         else:
-            ring.write_marker(FLAG_OVERFLOW, 0.0)
+            _C.call_store(rec, "status", ring.write_marker, (FLAG_OVERFLOW, 0.0))
+        self.counters["overflow_messages"] += 1
+        self.finish_overflow(frames, sending)
+
+    def finish_overflow(self, frames: list, sending: Sending) -> None:
+        """The ring announced an overflow marker: a blob it does not name goes back, and the
+        local socket takes the message (never waits). Each step is done once, whoever calls
+        (``publish_local``, or ``settle`` after an interruption)."""
         if sending.blob is not None:
             # Published in the arena but named by no marker: no reader will ever see it.
-            self.arena.give_back_unsent([sending.blob[:2]])
-            sending.blob = None
-        self.counters["overflow_messages"] += 1
-        sending.socket_owed = True
-        self.send_local(frames, sending)
-
-    def send_local(self, frames: list, sending: Sending) -> None:
-        """The local socket takes an overflow message the ring announced (never waits)."""
-        local = self.sockets.local
-        self.sockets.send(local, self.sealed(frames, sending.seq), None, sending, may_wait=False)
-        sending.socket_owed = False
+            self.arena.give_back_unsent([sending.blob[:2]])  # twice is harmless
+        if sending.taken(self.sockets.local) == 0:
+            local = self.sockets.local
+            sealed = self.sealed(frames, sending.seq)
+            self.sockets.send(local, sealed, None, sending, may_wait=False)
 
     def settle(self, sending: Sending, exc: BaseException) -> None:
         """An exception left ``send`` (a timeout or shutdown before anything was committed,
@@ -434,18 +468,15 @@ class WriterEnd(End):
             try:
                 if ring is not None and not ring_committed:
                     self.publish_local(frames, sending.fits, sending)
-                elif sending.socket_owed and sending.taken(local) == 0:
-                    self.send_local(frames, sending)
+                elif ring is not None and sending.ring.get("status") != "ok":
+                    self.finish_overflow(frames, sending)  # an overflow marker was published
             except BaseException:
                 self.break_off("an enqueue was interrupted after its message was announced")
                 raise
             self.seq = sending.seq
             self.counters["messages"] += 1
             sending.done = True
-        if hasattr(exc, "add_note"):
-            exc.add_note(
-                "vllm_shm_arena: this message was sent before the exception; do not send it again"
-            )
+        note_sent(exc)
 
     def break_off(self, why: str) -> None:
         """The queue cannot go on in order: no more sends, the ring shut down (readers get a
@@ -469,8 +500,7 @@ class WriterEnd(End):
         return t if t is not None else torch.empty(tuple(shape), dtype=dtype)
 
     def broadcast_object(self, obj: Any = None) -> Any:
-        self.enqueue(obj)
-        return obj
+        return self._enqueue(obj, None, obj)
 
     # ------------------------------------------------------------------ reports
     def report(self) -> None:
