@@ -119,10 +119,13 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def _squatter(addr, marker, ready, stop):
-    """Binds the dead writer's address as a PLAIN server that believes anyone (no ZAP handler
-    in its context), and publishes pickles that would create ``marker``, shaped like the
-    queue's frames (a first frame of 0, 24 or 40 random bytes, then the pickle)."""
+def _squatter(addr, marker, ready, stop, captured):
+    """Binds the dead writer's address and publishes pickles that would create ``marker``.
+    With a message it captured as a stranger (``captured``: a queue that let it subscribe),
+    it replays that message's first frame (whatever token or header it carries) before its
+    pickle, with no security, as that queue's readers expect. Without one, it is a PLAIN server
+    that believes anyone (no ZAP handler in its context: PLAIN authenticates the client only)
+    and sends first frames shaped like the queue's (0, 24 or 40 random bytes)."""
 
     class Evil:
         def __reduce__(self):
@@ -131,7 +134,8 @@ def _squatter(addr, marker, ready, stop):
     ctx = zmq.Context()
     s = ctx.socket(zmq.XPUB)
     s.setsockopt(zmq.LINGER, 0)
-    s.plain_server = True
+    if captured is None:
+        s.plain_server = True
     deadline = time.monotonic() + 10
     while True:
         try:
@@ -142,11 +146,11 @@ def _squatter(addr, marker, ready, stop):
             time.sleep(0.02)
     ready.set()
     evil = pickle.dumps(Evil())
+    heads = [captured] if captured is not None else [b"", os.urandom(24), os.urandom(40)]
     while not stop.is_set():
-        for head in (b"", os.urandom(24), os.urandom(40)):
+        for head in heads:
             try:
                 s.send_multipart([head, evil], zmq.NOBLOCK)
-                s.send(protocol.SHUTDOWN_FRAME + os.urandom(24), zmq.NOBLOCK)
             except zmq.Again:
                 pass
         time.sleep(0.01)
@@ -155,9 +159,11 @@ def _squatter(addr, marker, ready, stop):
 
 
 def test_hole_2_whatever_binds_a_dead_writers_port_runs_no_code_in_a_reader(tmp_path):
-    """The writer is SIGKILLed; a squatter binds its port, authenticates the reader's PLAIN
-    (PLAIN authenticates the client only) and publishes pickles. Before: ZeroMQ reconnected the
-    reader and its next dequeue unpickled the squatter's message."""
+    """A stranger subscribes while the queue runs (capturing whatever it may: before this
+    issue, every broadcast with the queue's token in it); the writer is SIGKILLed; the stranger
+    binds its port and publishes pickles, replaying the captured header if it has one, as a
+    PLAIN server otherwise. Before: ZeroMQ reconnected the reader, and its next dequeue
+    unpickled the stranger's message. Now the reader raises a clear error and runs nothing."""
     import base64
 
     marker = str(tmp_path / "pwned")
@@ -170,17 +176,25 @@ def test_hole_2_whatever_binds_a_dead_writers_port_runs_no_code_in_a_reader(tmp_
     stop = threading.Event()
     try:
         h = pickle.loads(base64.b64decode(w.stdout.readline()))
+        spy = _stranger_sub(h.remote_subscribe_addr, b"")
         r = MessageQueue.create_from_handle(h, 0)
         try:
             r.wait_until_ready(timeout=30)
             assert r.dequeue(timeout=30) == "before the death"
+            captured = None
+            if spy[1].poll(1000):
+                frames = spy[1].recv_multipart()
+                while len(frames) < 2 and spy[1].poll(1000):  # READY: the message comes next
+                    frames = spy[1].recv_multipart()
+                captured = frames[0] if len(frames) >= 2 else None
+            _close(*spy)
             w.stdin.write("die\n")
             w.stdin.flush()
             w.wait(10)
             ready = threading.Event()
             sq = threading.Thread(
                 target=_squatter,
-                args=(h.remote_subscribe_addr, marker, ready, stop),
+                args=(h.remote_subscribe_addr, marker, ready, stop, captured),
                 daemon=True,
             )
             sq.start()
@@ -246,10 +260,12 @@ def test_hole_4_junk_before_and_during_start_up_never_stops_it(writers):
     mq = MessageQueue(2, 0, connect_ip=LOOP)
     writers(mq)
     h = mq.export_handle()
-    hello = protocol.hello_topic([0])
     junk = [
         _stranger_sub(h.remote_subscribe_addr, b"junk"),
-        _stranger_sub(h.remote_subscribe_addr, b"", hello),  # a hello without credentials
+        # A hello-looking topic without credentials.
+        _stranger_sub(
+            h.remote_subscribe_addr, b"", protocol.HELLO_MAGIC + b"\x02\x01\x00" + bytes(4)
+        ),
     ]
     raw = socket.create_connection((LOOP, _port(h.remote_subscribe_addr)))
     raw.sendall(os.urandom(4096))  # not even ZMTP
@@ -291,10 +307,10 @@ def test_hole_5_a_subscription_flood_does_not_grow_the_writer(writers):
     )
     try:
         assert flood.stdout.readline().strip() == "flooded"
-        time.sleep(0.5)  # let ZeroMQ read what it will
-        for i in range(20):
+        for i in range(40):  # the writer's socket reads what it will meanwhile
             mq.enqueue(i, timeout=10)
             assert r.dequeue(timeout=10) == i
+            time.sleep(0.05)
         grown = _rss_bytes() - rss0
         print(f"\nwriter process RSS growth under the flood: {grown / MiB:.1f} MiB")
         assert grown < 20 * MiB, f"the writer grew by {grown / MiB:.1f} MiB"
@@ -313,6 +329,7 @@ socks = []
 for _ in range(4):  # 4 x 0.95 MiB of random 64-byte topics
     s = ctx.socket(zmq.SUB)
     s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 0)  # every subscription goes out
     for _ in range((3_800_000 // 4) // 64):
         s.setsockopt(zmq.SUBSCRIBE, os.urandom(64))
     s.connect(addr)
@@ -325,6 +342,7 @@ try:
 except OSError:
     pass
 time.sleep(1.0)
+time.sleep(2.0)
 print("flooded", flush=True)
 time.sleep(60)
 """
@@ -367,13 +385,23 @@ def test_hole_6_a_reset_that_overlaps_sends_is_an_error_at_the_gap(writers):
     stop = threading.Event()
     sent = []
 
+    killed = threading.Event()
+
     def send():
+        # As fast as the reader's backlog cap lets it until the reset: the reader always has
+        # messages waiting, so it never idles (nor looks at its connection) meanwhile. Then
+        # one every 10 ms, as a step loop would: the writer's socket takes the reader back
+        # as it sends, and what it sent while the reader was away is gone.
         i = 0
-        while not stop.is_set() and i < 4000:
-            mq.enqueue(i, timeout=30)
+        while not stop.is_set() and i < 100_000:
+            try:
+                mq.enqueue(i, timeout=30)
+            except RuntimeError:
+                return  # shut down at teardown
             sent.append(i)
             i += 1
-            time.sleep(0.002)
+            if killed.is_set():
+                time.sleep(0.01)
 
     t = threading.Thread(target=send, daemon=True)
     t.start()
@@ -382,9 +410,12 @@ def test_hole_6_a_reset_that_overlaps_sends_is_an_error_at_the_gap(writers):
         for _ in range(50):
             got.append(r.dequeue(timeout=10))
         _ss_kill(port)
+        killed.set()
         with pytest.raises(SequenceError, match=r"message \d+ arrived after message \d+") as ei:
             while True:
-                got.append(r.dequeue(timeout=10))
+                m = r.dequeue(timeout=10)
+                assert m == got[-1] + 1, f"messages {got[-1] + 1}..{m - 1} lost in silence"
+                got.append(m)
         last = got[-1]
         assert got == list(range(last + 1)), "a message before the gap was lost or reordered"
         assert f"after message {last + 1}:" in str(ei.value)  # sequence numbers start at 1
@@ -501,3 +532,29 @@ def test_the_encrypted_setting_needs_the_remote_ranks(monkeypatch):
     monkeypatch.setenv("VLLM_SHM_ARENA_TCP_SECURITY", "encrypted")
     with pytest.raises(ValueError, match="remote_reader_ranks"):
         MessageQueue(2, 1, [5], connect_ip=LOOP)  # remote ranks unknown: any 1 rank not 5
+
+
+# ------------------------------------------------------------------ the ZAP handler's life
+@pytest.mark.parametrize("how", ["shutdown", "dropped"])
+def test_the_zap_handler_ends_with_its_queue(how):
+    """Its socket lives in the writer's context, so terminating the context ends it: neither
+    shutdown() nor a queue dropped without one (its finalizer) waits for good or leaves the
+    thread behind."""
+    import gc
+
+    mq = MessageQueue(1, 0, connect_ip=LOOP)
+    r = MessageQueue.create_from_handle(mq.export_handle(), 0)
+    ready_in_threads(mq, [r])
+    assert [t for t in threading.enumerate() if t.name == "vllm_shm_arena-zap"]
+    t0 = time.monotonic()
+    if how == "shutdown":
+        mq.shutdown()
+    else:
+        del mq
+        gc.collect()
+    r.shutdown()
+    deadline = time.monotonic() + 10
+    while [t for t in threading.enumerate() if t.name == "vllm_shm_arena-zap"]:
+        assert time.monotonic() < deadline, "the ZAP handler outlived its queue"
+        time.sleep(0.02)
+    assert time.monotonic() - t0 < 10

@@ -397,10 +397,13 @@ def test_ipv6_connect_address(one_node, writers, seed):
 
 # ------------------------------------------------------------------------ port takeover
 def _impostor(addr, seconds):
-    """Binds the dead writer's address and publishes messages without its token."""
+    """Binds the dead writer's address as a PLAIN server that believes any client (PLAIN
+    authenticates the client only, so the reader's handshake succeeds) and publishes messages
+    shaped like the queue's, without its MAC."""
     ctx = zmq.Context()
     s = ctx.socket(zmq.XPUB)
     s.setsockopt(zmq.LINGER, 0)
+    s.plain_server = True
     deadline = time.monotonic() + 10
     while True:
         try:
@@ -415,7 +418,7 @@ def _impostor(addr, seconds):
     evil = pickle.dumps({"seq": 1, "evil": True})
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        for head in (b"", os.urandom(16)):
+        for head in (b"", os.urandom(24), os.urandom(40)):
             try:
                 s.send_multipart([head, evil], zmq.NOBLOCK)
             except zmq.Again:
@@ -426,8 +429,9 @@ def _impostor(addr, seconds):
 
 
 def test_a_process_that_takes_over_the_dead_writers_port_feeds_nothing(seed, kids):
-    """After the writer is SIGKILLed, another process binds the same port and publishes: the
-    reader (direct remote) raises a clear error; it never delivers the impostor's message."""
+    """After the writer is SIGKILLed, another process binds the same port, takes the reader's
+    reconnection and publishes: the reader (direct remote) raises a clear error; it never
+    delivers the impostor's message (every frame must carry the writer's MAC)."""
     whq, wgo = kids.ctx.Queue(), kids.ctx.Event()
     w = kids.start(M.dying_writer, 1, [MiB], seed, whq, wgo)
     h = get(whq)
