@@ -521,3 +521,64 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def bind_retrying(sock, addr: str, timeout: float = 10.0) -> None:
+    """Binds ``sock`` to ``addr``, retrying while the address is still taken (a process that
+    just died still holds it for a moment)."""
+    import zmq
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock.bind(addr)
+            return
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def reading_thread(q, n: int, key=None, timeout: float = 30.0):
+    """A started daemon thread dequeuing ``n`` messages from ``q`` -> (thread, got, errors):
+    ``got`` the messages (``m[key]`` when given), ``errors`` what ended it early."""
+    got: list = []
+    errors: list = []
+
+    def read():
+        try:
+            for _ in range(n):
+                m = q.dequeue(timeout=timeout)
+                got.append(m if key is None else m[key])
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    return t, got, errors
+
+
+def squat(addr: str, payload: bytes, heads, stop, plain_server: bool = True, ready=None) -> None:
+    """Binds a dead writer's address (an XPUB; with ``plain_server``, one that believes any
+    PLAIN client, as no ZAP handler runs in its context) and publishes ``[head, payload]`` for
+    each of ``heads`` every 10 ms until ``stop`` (an Event) is set. ``ready`` is set once
+    bound."""
+    import zmq
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.XPUB)
+    s.setsockopt(zmq.LINGER, 0)
+    if plain_server:
+        s.plain_server = True
+    bind_retrying(s, addr)
+    if ready is not None:
+        ready.set()
+    while not stop.is_set():
+        for head in heads:
+            try:
+                s.send_multipart([head, payload], zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+        time.sleep(0.01)
+    s.close()
+    ctx.term()

@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 import zmq
-from mq_helpers import ready_in_threads
+from mq_helpers import reading_thread, ready_in_threads, squat
 
 from vllm_shm_arena import MessageQueue, settings
 from vllm_shm_arena.mq import protocol, transport
@@ -119,43 +119,25 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-def _squatter(addr, marker, ready, stop, captured):
-    """Binds the dead writer's address and publishes pickles that would create ``marker``.
-    With a message it captured as a stranger (``captured``: a queue that let it subscribe),
-    it replays that message's first frame (whatever token or header it carries) before its
-    pickle, with no security, as that queue's readers expect. Without one, it is a PLAIN server
-    that believes anyone (no ZAP handler in its context: PLAIN authenticates the client only)
-    and sends first frames shaped like the queue's (0, 24 or 40 random bytes)."""
+class _Evil:
+    """Unpickles into a file created at ``marker``."""
 
-    class Evil:
-        def __reduce__(self):
-            return (open, (marker, "w"))
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
 
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.XPUB)
-    s.setsockopt(zmq.LINGER, 0)
-    if captured is None:
-        s.plain_server = True
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            s.bind(addr)
-            break
-        except zmq.ZMQError:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-    ready.set()
-    evil = pickle.dumps(Evil())
-    heads = [captured] if captured is not None else [b"", os.urandom(24), os.urandom(40)]
-    while not stop.is_set():
-        for head in heads:
-            try:
-                s.send_multipart([head, evil], zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-        time.sleep(0.01)
-    s.close()
-    ctx.term()
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _remote_pair(writers):
+    """A writer with one remote reader over loopback, ready -> (writer, handle, reader)."""
+    mq = MessageQueue(1, 0, connect_ip=LOOP)
+    writers(mq)
+    h = mq.export_handle()
+    r = MessageQueue.create_from_handle(h, 0)
+    writers(r)
+    ready_in_threads(mq, [r])
+    return mq, h, r
 
 
 def test_hole_2_whatever_binds_a_dead_writers_port_runs_no_code_in_a_reader(tmp_path):
@@ -191,10 +173,15 @@ def test_hole_2_whatever_binds_a_dead_writers_port_runs_no_code_in_a_reader(tmp_
             w.stdin.write("die\n")
             w.stdin.flush()
             w.wait(10)
+            # With a captured header, replayed with no security, as that queue's readers
+            # expect; without one, a PLAIN server (PLAIN authenticates the client only)
+            # sending first frames shaped like the queue's.
+            heads = [captured] if captured is not None else [b"", os.urandom(24), os.urandom(40)]
             ready = threading.Event()
             sq = threading.Thread(
-                target=_squatter,
-                args=(h.remote_subscribe_addr, marker, ready, stop, captured),
+                target=squat,
+                args=(h.remote_subscribe_addr, pickle.dumps(_Evil(marker)), heads, stop),
+                kwargs={"plain_server": captured is None, "ready": ready},
                 daemon=True,
             )
             sq.start()
@@ -226,17 +213,7 @@ def test_hole_3_a_stranger_that_never_reads_never_makes_enqueue_wait(writers):
         r = MessageQueue.create_from_handle(h, 0)
         writers(r)
         ready_in_threads(mq, [r])
-        got, errors = [], []
-
-        def read():
-            try:
-                for _ in range(300):
-                    got.append(r.dequeue(timeout=30)["i"])
-            except BaseException as e:
-                errors.append(e)
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
+        reader, got, errors = reading_thread(r, 300, key="i")
         done = threading.Event()
 
         def send():
@@ -289,12 +266,7 @@ def test_hole_4_junk_before_and_during_start_up_never_stops_it(writers):
 def test_hole_5_a_subscription_flood_does_not_grow_the_writer(writers):
     """3.8 MiB of random subscription topics, from strangers and through a raw ZMTP-looking
     stream: before, the writer grew by ~190 MiB and held it while the peer stayed."""
-    mq = MessageQueue(1, 0, connect_ip=LOOP)
-    writers(mq)
-    h = mq.export_handle()
-    r = MessageQueue.create_from_handle(h, 0)
-    writers(r)
-    ready_in_threads(mq, [r])
+    mq, h, r = _remote_pair(writers)
     mq.enqueue("warm", timeout=10)
     assert r.dequeue(timeout=10) == "warm"
     rss0 = _rss_bytes()
@@ -375,12 +347,7 @@ def test_hole_6_a_reset_that_overlaps_sends_is_an_error_at_the_gap(writers):
     reconnected, the writer took it back, and the messages sent meanwhile were gone without a
     word while later ones arrived. Now every message before the gap is delivered, in order,
     then the dequeue raises an error naming both sequence numbers, and nothing after it."""
-    mq = MessageQueue(1, 0, connect_ip=LOOP)
-    writers(mq)
-    h = mq.export_handle()
-    r = MessageQueue.create_from_handle(h, 0)
-    writers(r)
-    ready_in_threads(mq, [r])
+    mq, h, r = _remote_pair(writers)
     port = _port(h.remote_subscribe_addr)
     stop = threading.Event()
     sent = []
@@ -431,23 +398,8 @@ def test_hole_6_a_reset_while_nothing_is_sent_is_resumed_without_loss(writers):
     """A reset between sends: ZeroMQ reconnects the reader (which waits in dequeue, so its
     socket does the reconnecting), the writer admits it again once its old connection is gone,
     and no message is missing, so none is reported missing."""
-    mq = MessageQueue(1, 0, connect_ip=LOOP)
-    writers(mq)
-    h = mq.export_handle()
-    r = MessageQueue.create_from_handle(h, 0)
-    writers(r)
-    ready_in_threads(mq, [r])
-    got, errors = [], []
-
-    def read():
-        try:
-            for _ in range(10):
-                got.append(r.dequeue(timeout=30))
-        except BaseException as e:
-            errors.append(e)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    mq, h, r = _remote_pair(writers)
+    reader, got, errors = reading_thread(r, 10)
     for i in range(5):
         mq.enqueue(i, timeout=10)
     deadline = time.monotonic() + 10
@@ -558,3 +510,34 @@ def test_the_zap_handler_ends_with_its_queue(how):
         assert time.monotonic() < deadline, "the ZAP handler outlived its queue"
         time.sleep(0.02)
     assert time.monotonic() - t0 < 10
+
+
+def test_a_peer_address_lookup_never_fails_on_a_reused_descriptor():
+    """The ZAP thread reads a new connection's peer from its descriptor, which ZeroMQ may have
+    closed and reused by then: a Unix socket's, a closed one, anything gives "" (a failure here
+    once killed the handler thread, and every later handshake waited for good)."""
+    a, b = socket.socketpair()
+    tcp = socket.create_server((LOOP, 0))
+    c = socket.create_connection(tcp.getsockname())
+    try:
+        assert transport._peer_of(a.fileno()) == ""
+        assert transport._peer_of(c.fileno()) == LOOP
+        fd = os.dup(b.fileno())
+        os.close(fd)
+        assert transport._peer_of(fd) == ""
+    finally:
+        for s in (a, b, tcp, c):
+            s.close()
+
+
+def test_the_zap_handler_outlives_a_failure_of_its_own(writers, monkeypatch):
+    calls = []
+
+    def broken(self, event):
+        calls.append(event)
+        raise ValueError("a bug in the event handling")
+
+    monkeypatch.setattr(transport.ZapHandler, "_on_event", broken)
+    mq, h, r = _remote_pair(writers)  # the handshake still completes
+    mq.enqueue("after", timeout=10)
+    assert r.dequeue(timeout=10) == "after" and calls

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -396,38 +397,6 @@ def test_ipv6_connect_address(one_node, writers, seed):
 
 
 # ------------------------------------------------------------------------ port takeover
-def _impostor(addr, seconds):
-    """Binds the dead writer's address as a PLAIN server that believes any client (PLAIN
-    authenticates the client only, so the reader's handshake succeeds) and publishes messages
-    shaped like the queue's, without its MAC."""
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.XPUB)
-    s.setsockopt(zmq.LINGER, 0)
-    s.plain_server = True
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            s.bind(addr)
-            break
-        except zmq.ZMQError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-    import pickle
-
-    evil = pickle.dumps({"seq": 1, "evil": True})
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        for head in (b"", os.urandom(24), os.urandom(40)):
-            try:
-                s.send_multipart([head, evil], zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-        time.sleep(0.01)
-    s.close()
-    ctx.term()
-
-
 def test_a_process_that_takes_over_the_dead_writers_port_feeds_nothing(seed, kids):
     """After the writer is SIGKILLed, another process binds the same port, takes the reader's
     reconnection and publishes: the reader (direct remote) raises a clear error; it never
@@ -442,7 +411,14 @@ def test_a_process_that_takes_over_the_dead_writers_port_feeds_nothing(seed, kid
         wgo.set()
         w.join(10)
         assert w.exitcode == -signal.SIGKILL
-        imp = threading.Thread(target=_impostor, args=(h.remote_subscribe_addr, 3.0), daemon=True)
+        # A PLAIN server that believes any client (so the reader's handshake succeeds),
+        # publishing messages shaped like the queue's, without its MAC.
+        stop = threading.Event()
+        evil = pickle.dumps({"seq": 1, "evil": True})
+        heads = (b"", os.urandom(24), os.urandom(40))
+        imp = threading.Thread(
+            target=H.squat, args=(h.remote_subscribe_addr, evil, heads, stop), daemon=True
+        )
         imp.start()
         with pytest.raises(
             RuntimeError, match="did not come from its writer|connection to the writer dropped"
@@ -451,6 +427,7 @@ def test_a_process_that_takes_over_the_dead_writers_port_feeds_nothing(seed, kid
         # Whatever it sends later is never delivered either.
         with pytest.raises((RuntimeError, TimeoutError)):
             r.dequeue(timeout=1)
+        stop.set()
         imp.join(10)
     finally:
         r.shutdown()

@@ -343,14 +343,14 @@ _WATCHED = (
 
 def _peer_of(fd: int) -> str:
     """The address of the peer of the TCP connection ``fd`` (a descriptor ZeroMQ owns: read
-    through a duplicate); "" once it is gone. Best effort: a descriptor closed and reused
-    before this runs names another connection's peer."""
+    through a duplicate); "" once it is gone or is not a TCP connection. Best effort: a
+    descriptor closed and reused before this runs names another connection's peer."""
     try:
         with socket.socket(fileno=os.dup(fd)) as s:
-            host = s.getpeername()[0]
+            peer = s.getpeername()
     except OSError:
         return ""
-    return str(host)
+    return str(peer[0]) if isinstance(peer, tuple) and peer else ""
 
 
 class ZapHandler:
@@ -407,7 +407,11 @@ class ZapHandler:
                 try:
                     ready = dict(poller.poll())
                     if monitor in ready:
-                        self._on_event(parse_monitor_message(monitor.recv_multipart()))
+                        event = parse_monitor_message(monitor.recv_multipart())
+                        try:
+                            self._on_event(event)
+                        except Exception:  # counting must never stop the handler
+                            logger.exception("vllm_shm_arena: the ZAP handler's event failed")
                     if sock not in ready:
                         continue
                     request = sock.recv_multipart()
