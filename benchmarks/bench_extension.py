@@ -32,12 +32,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import vllm_shm_arena.pickler as pickler_mod  # noqa: E402
 from vllm_shm_arena import _C, ShmTensorArena, dumps, loads  # noqa: E402
 from vllm_shm_arena.pickler import dump_message  # noqa: E402
 
 MiB = 1 << 20
-PY_REDUCER_ENV = "VLLM_SHM_ARENA_PY_REDUCER"
 
 
 def _ns() -> int:
@@ -208,10 +206,9 @@ def bench_pickler(rounds: int) -> dict:
         ("dataclasses", make_message()),
         ("dicts", [{"id": i, "name": f"req-{i}", "toks": [i, i + 1]} for i in range(10_000)]),
     ):
-        times: dict[str, list[int]] = {"oob": [], "arena_c": [], "arena_py": []}
+        times: dict[str, list[int]] = {"oob": [], "arena_c": []}
 
         def run(mode, msg=msg):
-            pickler_mod._USE_PY_REDUCER = mode == "arena_py"
             t0 = _ns()
             dumps(msg, None if mode == "oob" else w)
             return _ns() - t0
@@ -221,13 +218,11 @@ def bench_pickler(rounds: int) -> dict:
         for _ in range(rounds):  # interleaved: A, B, C, A, B, C, ...
             for mode in times:
                 times[mode].append(run(mode))
-        pickler_mod._USE_PY_REDUCER = False
         p50 = {m: statistics.median(v) / 1e3 for m, v in times.items()}
         out[kind] = {
             "rounds": rounds,
             "p50_us": p50,
             "arena_c_over_oob": p50["arena_c"] / p50["oob"],
-            "arena_py_over_oob": p50["arena_py"] / p50["oob"],
         }
     assert w.stats()["hits"] == 0
     r.close()
@@ -288,13 +283,10 @@ def main() -> None:
 
     pk = bench_pickler(rounds)
     print(f"\n3. pickler overhead, 10,000 small objects, no tensors (p50 us, {rounds} rounds)")
-    print(f"{'message':>12} {'oob':>9} {'arena C':>17} {'arena Python':>17}")
+    print(f"{'message':>12} {'oob':>9} {'arena':>17}")
     for kind, row in pk.items():
         p = row["p50_us"]
-        print(
-            f"{kind:>12} {p['oob']:9.0f} {p['arena_c']:9.0f} ({row['arena_c_over_oob']:.3f}x)"
-            f" {p['arena_py']:9.0f} ({row['arena_py_over_oob']:.3f}x)"
-        )
+        print(f"{kind:>12} {p['oob']:9.0f} {p['arena_c']:9.0f} ({row['arena_c_over_oob']:.3f}x)")
 
     result = {
         "quick": args.quick,

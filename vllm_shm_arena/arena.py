@@ -26,21 +26,21 @@ import torch
 from vllm_shm_arena import settings
 from vllm_shm_arena._ext import _C
 
-#: Default geometry of the fixed-slot layout (the design document's internal constants).
+#: Default geometry of the fixed-slot layout: vLLM's own arena's (8 x 256 MiB), so that a
+#: deployment moving between the two sees the same slots.
 DEFAULT_NUM_SLOTS = 8
 DEFAULT_SLOT_BYTES = 256 << 20
 #: Default geometry of the variable-size layout: one region any tensor up to its size fits.
 DEFAULT_ARENA_BYTES = 2 << 30
 DEFAULT_MAX_ALLOCATIONS = 1024
-#: Fixed-slot layout: tensors smaller than this take the out-of-band path (the design
-#: document's threshold; a whole 256 MiB slot per small tensor would run the 8 slots dry).
+#: Fixed-slot layout: tensors smaller than this take the out-of-band path (vLLM's own arena's
+#: threshold): a whole 256 MiB slot per small tensor would run the 8 slots dry.
 MIN_BYTES = 8 << 20
-#: Variable-size layout: the divert threshold, from the measured crossover of arena vs
-#: out-of-band delivery (`broadcast_ab.py --threshold`, benchmarks/results/threshold/): on the
-#: 2-core development machine the arena delivered faster from 0.25-0.5 MiB up (median, TP 2
-#: and 4, ring and socket), and at least 1.25x faster (a margin over run-to-run noise) from
-#: 1 MiB up in every cell of three runs. A small tensor takes only its own bytes of the
-#: region there, unlike a 256 MiB fixed slot.
+#: Variable-size layout: the divert threshold. Below the crossover of arena and out-of-band
+#: delivery a copy into shared memory costs more than the transport it saves; the value sits
+#: above that crossover by a margin over run-to-run noise (measured by `broadcast_ab.py
+#: --threshold`, figures in benchmarks/results/threshold/). A small tensor takes only its own
+#: bytes of the region, unlike a 256 MiB fixed slot, so the threshold can be this low.
 VARIABLE_MIN_BYTES = 1 << 20
 
 # Name <-> dtype for every dtype a stub may carry. Built from torch's own attributes so new
@@ -189,7 +189,7 @@ class ShmTensorArena:
     ) -> ShmTensorArena:
         """Creates a new arena as its writer. Raises ``OSError`` if ``/dev/shm`` is too small.
 
-        ``policy="fixed"``: ``num_slots`` slots of ``slot_bytes`` (the design document's
+        ``policy="fixed"``: ``num_slots`` slots of ``slot_bytes`` (vLLM's own arena's
         layout). ``policy="variable"``: one region of ``arena_bytes`` into which tensors of any
         size up to the whole region are packed, at most ``max_allocations`` at a time.
         """

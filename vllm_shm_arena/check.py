@@ -17,7 +17,7 @@ The checks, in order:
 * ``extension``: the compiled extension loads, and the torch it was built against
   (``_build_info.py``) is the torch running;
 * ``vllm``: the installed vLLM's version, and whether the plugin supports it (its release line
-  is in ``vllm_plugin.SUPPORTED_VLLM_VERSIONS`` and its interface matches the verified one);
+  is in ``vllm_interface.SUPPORTED_VLLM_VERSIONS`` and its interface matches the verified one);
 * ``plugin``: vLLM can see the entry point (group ``vllm.general_plugins``, name
   ``shm_tensor_arena``);
 * ``VLLM_PLUGINS``: when set, it lists ``shm_tensor_arena`` (vLLM then loads only the
@@ -44,7 +44,7 @@ import os
 import sys
 from typing import Any
 
-from vllm_shm_arena import settings, vllm_plugin
+from vllm_shm_arena import settings, vllm_interface, vllm_plugin
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 #: vLLM's broadcast ring: its chunk size when VLLM_MQ_MAX_CHUNK_BYTES_MB gives none (MiB), and
@@ -105,15 +105,15 @@ def _find_vllm() -> tuple[str | None, str]:
     if importlib.util.find_spec("vllm") is None:
         return None, ""
     vllm = importlib.import_module("vllm")
-    return vllm_plugin._vllm_version(vllm), os.path.dirname(getattr(vllm, "__file__", "") or "")
+    return vllm_interface._vllm_version(vllm), os.path.dirname(getattr(vllm, "__file__", "") or "")
 
 
 def _vllm_interface_changes(version: str) -> list[str]:
     """What of the interface the plugin verified for ``version`` the installed vLLM lacks."""
     from vllm.config import ParallelConfig
 
-    mpe = importlib.import_module(vllm_plugin._TARGET_MODULE)
-    return vllm_plugin.interface_changes(version, ParallelConfig, mpe)
+    mpe = importlib.import_module(vllm_interface._TARGET_MODULE)
+    return vllm_interface.interface_changes(version, ParallelConfig, mpe)
 
 
 def _entry_points() -> list:
@@ -194,7 +194,7 @@ def check_extension() -> Result:
 
 def check_vllm() -> Result:
     """``vllm``: installed, a supported release, and the interface the plugin verified."""
-    supported = ", ".join(f"{v}.x" for v in vllm_plugin.SUPPORTED_VLLM_VERSIONS)
+    supported = ", ".join(f"{v}.x" for v in vllm_interface.SUPPORTED_VLLM_VERSIONS)
     try:
         version, where = _find_vllm()
     except Exception as e:
@@ -212,7 +212,7 @@ def check_vllm() -> Result:
             "without it, but to check the plugin run this in vLLM's environment",
         )
     data = {"version": version, "path": where}
-    if not vllm_plugin.is_supported_vllm_version(version):
+    if not vllm_interface.is_supported_vllm_version(version):
         return Result(
             FAIL,
             "vllm",

@@ -25,26 +25,16 @@ from typing import Any
 
 import torch
 
-from vllm_shm_arena import settings
 from vllm_shm_arena._ext import _C
 from vllm_shm_arena.arena import (
-    _ARENA_REBUILD_FNS,
     _NAME_BY_DTYPE,
     ShmTensorArena,
     dtype_from_name,
 )
 
 PROTOCOL = 5
-#: Use the Python reference reducer_override instead of the C callable (for tests and
-#: comparison). VLLM_SHM_ARENA_PY_REDUCER=1 sets it at import; tests set the attribute.
-_USE_PY_REDUCER = settings.py_reducer()
 #: Most idle picklers, and most idle C reducers, kept per arena.
 _POOL_SIZE = 4
-# The decline reasons the reference reducer decides itself, looked up in the core's list
-# (_C.DECLINE_REASONS) at import: a name the core does not have fails here, with a KeyError.
-_DECLINE_REASONS = {name: name for name in _C.DECLINE_REASONS}
-_TOO_SMALL = _DECLINE_REASONS["too_small"]
-_UNSUPPORTED = _DECLINE_REASONS["unsupported"]
 
 
 def _rebuild_tensor(buffer, dtype_str: str, shape: tuple) -> torch.Tensor:
@@ -131,7 +121,7 @@ class _Pools:
 
     def __init__(self) -> None:
         self._reducers: list = []  # idle (C reducer, diverted list, min_bytes)
-        self._picklers: list = []  # idle (pickler, BytesIO, buffers, python reducer?)
+        self._picklers: list = []  # idle (pickler, BytesIO, buffers)
 
     def take_reducer(self, arena: ShmTensorArena, min_bytes: int | None = None):
         """A (C-level reducer_override, diverted list, min_bytes) for one dump (threshold:
@@ -153,22 +143,20 @@ class _Pools:
         if entry[2] == arena.min_bytes and len(self._reducers) < _POOL_SIZE:
             self._reducers.append(entry)
 
-    def take_pickler(self, arena: ShmTensorArena, py_reducer: bool):
+    def take_pickler(self, arena: ShmTensorArena):
         """An idle (pickler, BytesIO, buffers) of ``dump_message``'s, made ``arena``'s again,
         or None."""
-        while True:
-            try:
-                *cached, flag = self._picklers.pop()
-            except IndexError:
-                return None
-            if flag == py_reducer:
-                cached[0].arena = arena
-                return tuple(cached)
+        try:
+            cached = self._picklers.pop()
+        except IndexError:
+            return None
+        cached[0].arena = arena
+        return cached
 
-    def give_back_pickler(self, cached, py_reducer: bool) -> None:
+    def give_back_pickler(self, cached) -> None:
         if len(self._picklers) < _POOL_SIZE:
             cached[0].arena = None  # an idle pickler must not keep its arena alive
-            self._picklers.append((*cached, py_reducer))
+            self._picklers.append(cached)
             return
         cached[0].release()
 
@@ -188,11 +176,11 @@ def _pools(arena: ShmTensorArena) -> _Pools:
 class _ArenaPickler(pickle.Pickler):
     """Out-of-band pickler that also diverts large tensors into a ``ShmTensorArena``.
 
-    ``reducer_override`` below is the readable reference. Each instance installs an
-    equivalent C-level callable instead (``VLLM_SHM_ARENA_PY_REDUCER=1`` at import, or
-    ``vllm_shm_arena.pickler._USE_PY_REDUCER``, selects the Python one), because pickle calls
-    it for nearly every object of every message: one pointer comparison in C keeps
-    tensor-free messages at full speed.
+    The divert decision is the C-level ``reducer_override`` each instance installs
+    (``make_reducer`` in csrc/bindings/stubs.cpp, the only one): pickle calls it for nearly
+    every object of every message, and one pointer comparison in C keeps tensor-free messages
+    at full speed. tests/python/reducer_oracle.py writes the same decision out in Python, as
+    the oracle the C one is checked against.
 
     Slots used during a ``dump`` are listed in ``diverted``; if the dump fails, give them
     back with ``arena.give_back_unsent(pickler.diverted)`` (``dumps`` does).
@@ -204,13 +192,9 @@ class _ArenaPickler(pickle.Pickler):
         self.arena = arena
         # Default: the arena layout's threshold (8 MiB fixed slots, lower for variable-size).
         self.min_bytes = arena.min_bytes if min_bytes is None else min_bytes
-        self._cached = None
-        if _USE_PY_REDUCER:
-            self.diverted: list[tuple[int, int]] = []
-        else:
-            # An instance attribute shadows the method; pickle looks it up at __init__.
-            self._cached = _pools(arena).take_reducer(arena, min_bytes)
-            self.reducer_override, self.diverted, _ = self._cached
+        # An instance attribute: pickle looks it up at __init__.
+        self._cached = _pools(arena).take_reducer(arena, min_bytes)
+        self.reducer_override, self.diverted, _ = self._cached
         super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)
 
     def release(self) -> None:
@@ -219,35 +203,6 @@ class _ArenaPickler(pickle.Pickler):
         if self._cached is not None:
             _pools(self.arena).give_back_reducer(self.arena, self._cached)
             self._cached = None
-
-    def reducer_override(self, obj):
-        rebuild_fn = _ARENA_REBUILD_FNS.get(type(obj))  # exact type, like dispatch_table
-        if rebuild_fn is None or obj.device.type != "cpu" or obj.layout is not torch.strided:
-            return NotImplemented
-        writer = self.arena._require_writer()
-        nbytes = obj.numel() * obj.element_size()
-        offset = 0
-        # A loaned tensor (or a contiguous view of one) not sent yet goes as it is, whatever
-        # its size: it is in the arena already, so sending it costs no copy.
-        loan = None
-        if obj.dtype in _NAME_BY_DTYPE and obj.is_contiguous():
-            loan = writer.send_loan(obj)
-        if loan is not None:
-            slot, gen, offset = loan
-        else:
-            if nbytes < self.min_bytes:
-                writer.count_decline(_TOO_SMALL)
-                return NotImplemented
-            if obj.requires_grad or obj.dtype not in _NAME_BY_DTYPE:
-                writer.count_decline(_UNSUPPORTED)
-                return NotImplemented
-            res = self.arena._write(obj)  # counts not_contiguous / unsupported / full itself
-            if res is None:
-                return NotImplemented  # falls through to dispatch_table -> _reduce_tensor
-            slot, gen = res
-        self.diverted.append((slot, gen))
-        args = (self.arena.name, slot, gen, nbytes, _NAME_BY_DTYPE[obj.dtype], tuple(obj.shape))
-        return rebuild_fn, (args + (offset,) if offset else args)
 
 
 class Dumped:
@@ -275,7 +230,7 @@ def dump_message(obj: Any, arena: ShmTensorArena | None = None, into: list | Non
     # A pickler (with its BytesIO and buffer list) is reused across messages: building one
     # costs about as much as pickling a small message.
     pools = _pools(arena)
-    cached = pools.take_pickler(arena, _USE_PY_REDUCER)
+    cached = pools.take_pickler(arena)
     if cached is None:
         bufs: list = []
         bio = io.BytesIO()
@@ -295,7 +250,7 @@ def dump_message(obj: Any, arena: ShmTensorArena | None = None, into: list | Non
     bufs.clear()
     p.diverted.clear()
     p.clear_memo()
-    pools.give_back_pickler(cached, _USE_PY_REDUCER)
+    pools.give_back_pickler(cached)
     return out
 
 

@@ -42,9 +42,6 @@ reads as "no plugin".
 * ``VLLM_SHM_ARENA_DEBUG_CHECKSUM``: the writer checksums each tensor and readers report
   releases whose bytes changed (an in-place write by a reader). Default: unset. Valid: ``1``
   turns it on; any other value leaves it off. Read per arena created (arena.py).
-* ``VLLM_SHM_ARENA_PY_REDUCER``: the pickler uses the Python reference ``reducer_override``
-  instead of the C one (tests, comparison). Default: unset. Valid: ``1`` turns it on; any other
-  value leaves it off. Read at import (pickler.py).
 * ``VLLM_SHM_ARENA_TCP_TIMEOUT_S``: a queue's TCP connection to another node that hears nothing
   from the peer's kernel this long is dropped (TCP keepalive probes); a reader then raises
   WriterDiedError after what arrived before, where a silent partition would otherwise leave it
@@ -265,16 +262,6 @@ VARIABLES: tuple[Variable, ...] = (
         unset=False,
     ),
     Variable(
-        "VLLM_SHM_ARENA_PY_REDUCER",
-        "unset",
-        "`1` turns it on; any other value leaves it off",
-        "the pickler uses the Python reference `reducer_override` instead of the C one "
-        "(tests, comparison)",
-        "at import (pickler.py)",
-        lambda raw: raw == "1",
-        unset=False,
-    ),
-    Variable(
         "VLLM_SHM_ARENA_TCP_TIMEOUT_S",
         "`60`",
         "a whole number of seconds from 0 to 65535 (0: the kernel's keepalive settings; the "
@@ -486,11 +473,6 @@ def stream_min_bytes(environ: Env = None) -> int | None:
 def debug_checksum(environ: Env = None) -> bool:
     """``VLLM_SHM_ARENA_DEBUG_CHECKSUM``: True only for "1"."""
     return value("VLLM_SHM_ARENA_DEBUG_CHECKSUM", environ)
-
-
-def py_reducer(environ: Env = None) -> bool:
-    """``VLLM_SHM_ARENA_PY_REDUCER``: True only for "1"."""
-    return value("VLLM_SHM_ARENA_PY_REDUCER", environ)
 
 
 def tcp_timeout_s(environ: Env = None) -> int:

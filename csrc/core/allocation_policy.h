@@ -2,7 +2,7 @@
 //
 // The protocol (arena.h) only needs "a slot index, an offset and a capacity" for each
 // allocation and "this one is free again" when readers let go; how space is found is this
-// interface's business. FixedSlotPolicy is the design document's 8 x 256 MiB slots; other
+// interface's business. FixedSlotPolicy is vLLM's own arena's layout (8 x 256 MiB); other
 // policies (variable-size packing) plug in without touching the protocol or the layers above.
 // Policies live in the writer process only and are not thread-safe: the arena has one writer.
 #pragma once

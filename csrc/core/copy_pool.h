@@ -8,9 +8,9 @@
 // Sizing: extra threads only pay on CPUs nobody else needs. The automatic count starts from
 // the CPUs this process may really use (its affinity mask, capped by a cgroup CPU quota; not
 // hardware_concurrency(), which counts every CPU of the host), takes away the queue's local
-// readers (they copy the same message out at the same time), and is clamped to [1, 8]. On
-// the 2-core development machine that leaves one thread: two copy threads competing with the
-// readers were slower than one (benchmarks/results/copy_bench.txt).
+// readers (they copy the same message out at the same time), and is clamped to [1, 8]: copy
+// threads competing with the readers for the same cores slow the whole broadcast down
+// (benchmarks/results/copy_bench.txt has the figures).
 //
 // Streaming stores: a copy into shared memory (`CopyTarget::kShared`: the arena's data region
 // and the ring's chunks, which other processes read next) uses non-temporal stores on x86-64
@@ -19,10 +19,10 @@
 // into the cache (read-for-ownership), so a copy whose destination is not in the cache moves
 // three bytes per byte copied; a streaming store writes the line without reading it. A
 // single tensor below the threshold, written to the same warm allocation message after
-// message, stays in the cache, and there ordinary stores were as fast or faster; larger
-// messages, and bursts of such tensors, were faster streamed. glibc's memcpy streams by itself
-// only above a threshold derived from the last-level cache, well above ours. The figures are
-// in benchmarks/results/stream_ab.md (delivery and consume in the broadcast) and
+// message, stays in the cache, where ordinary stores are the better choice; larger messages,
+// and bursts of such tensors, do not fit it. glibc's memcpy streams by itself only above a
+// threshold derived from the last-level cache, well above ours. The measurements behind the
+// threshold are benchmarks/results/stream_ab.md (delivery and consume in the broadcast) and
 // benchmarks/results/copy_bench.txt (`make bench-copy`). Other architectures use memcpy.
 // Copies into process-local memory (a reader copying out) never stream: whoever asked for
 // them reads the bytes next.

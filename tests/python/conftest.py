@@ -4,8 +4,6 @@
   header and per test, so any failure replays with ``VSA_SEED=<n> pytest ...``.
 * ``make_arena`` / ``arena``: a small writer arena with attached readers, closed afterwards.
 * ``run_py``: runs a Python snippet in a fresh interpreter -> ``(returncode, stdout, stderr)``.
-* ``reducer``: runs a test once with the C-level reducer and once with the Python reference
-  (``pickler._USE_PY_REDUCER``, what ``VLLM_SHM_ARENA_PY_REDUCER=1`` sets at import).
 * ``dtype``: any test taking a ``dtype`` argument runs for every dtype a stub can carry.
 """
 
@@ -211,15 +209,6 @@ def writers():
     yield made.append
     for mq in made:
         mq.shutdown()
-
-
-@pytest.fixture(params=["c", "py"], ids=["c_reducer", "py_reducer"])
-def reducer(request, monkeypatch) -> str:
-    """Runs the test with each ``_ArenaPickler`` reducer (read at pickler construction)."""
-    import vllm_shm_arena.pickler as pickler
-
-    monkeypatch.setattr(pickler, "_USE_PY_REDUCER", request.param == "py")
-    return request.param
 
 
 def _run_py(code: str, timeout: float = 180, env: dict | None = None) -> tuple[int, str, str]:

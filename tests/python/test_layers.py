@@ -30,6 +30,7 @@ ORDER = [
     "mq.protocol",
     "mq.lifecycle",
     "mq.reporting",
+    "mq.admission",
     "mq.transport",
     "mq.end",
     "mq.reader",
@@ -38,6 +39,7 @@ ORDER = [
     "mq.groups",
     "message_queue",
     "vllm_multinode",  # the multi-node join the plugin installs
+    "vllm_interface",  # what of vLLM the plugin relies on, and its check
     "vllm_plugin",
     "check",
     "__main__",

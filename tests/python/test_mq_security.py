@@ -26,7 +26,7 @@ import zmq
 from mq_helpers import reading_thread, ready_in_threads, squat
 
 from vllm_shm_arena import MessageQueue, settings
-from vllm_shm_arena.mq import protocol, transport
+from vllm_shm_arena.mq import admission, protocol, transport
 from vllm_shm_arena.mq.protocol import SequenceError
 
 MiB = 1 << 20
@@ -520,11 +520,11 @@ def test_a_peer_address_lookup_never_fails_on_a_reused_descriptor():
     tcp = socket.create_server((LOOP, 0))
     c = socket.create_connection(tcp.getsockname())
     try:
-        assert transport._peer_of(a.fileno()) == ""
-        assert transport._peer_of(c.fileno()) == LOOP
+        assert admission._peer_of(a.fileno()) == ""
+        assert admission._peer_of(c.fileno()) == LOOP
         fd = os.dup(b.fileno())
         os.close(fd)
-        assert transport._peer_of(fd) == ""
+        assert admission._peer_of(fd) == ""
     finally:
         for s in (a, b, tcp, c):
             s.close()
@@ -537,7 +537,7 @@ def test_the_zap_handler_outlives_a_failure_of_its_own(writers, monkeypatch):
         calls.append(event)
         raise ValueError("a bug in the event handling")
 
-    monkeypatch.setattr(transport.ZapHandler, "_on_event", broken)
+    monkeypatch.setattr(admission.ZapHandler, "_on_event", broken)
     mq, h, r = _remote_pair(writers)  # the handshake still completes
     mq.enqueue("after", timeout=10)
     assert r.dequeue(timeout=10) == "after" and calls

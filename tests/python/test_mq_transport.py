@@ -16,10 +16,11 @@ import pytest
 
 from vllm_shm_arena._ext import _C
 from vllm_shm_arena.mq import protocol, transport
+from vllm_shm_arena.mq.admission import Roster
 from vllm_shm_arena.mq.lifecycle import Lifecycle
 from vllm_shm_arena.mq.protocol import Forged, Keys, ShutDownByWriter, WriterDiedError
 from vllm_shm_arena.mq.reporting import RateLimitedLog
-from vllm_shm_arena.mq.transport import ReaderSocket, Roster, WriterSockets
+from vllm_shm_arena.mq.transport import ReaderSocket, WriterSockets
 
 KEYS = Keys(b"k" * protocol.SECRET_BYTES)
 

@@ -1,8 +1,5 @@
-"""The pickler layer: ``dumps``/``loads`` with and without an arena, both reducers.
-
-Tests taking the ``reducer`` fixture run twice: with the C-level reducer ``_ArenaPickler``
-installs by default and with the Python reference (``VLLM_SHM_ARENA_PY_REDUCER=1``).
-"""
+"""The pickler layer: ``dumps``/``loads`` with and without an arena, and the C reducer's
+divert decision against its Python oracle (tests/python/reducer_oracle.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +9,6 @@ import pickle
 import pytest
 import torch
 
-import vllm_shm_arena.pickler as pickler_mod
 from vllm_shm_arena import MIN_BYTES, _ArenaPickler, dumps, loads
 
 MiB = 1 << 20
@@ -37,14 +33,9 @@ def big(rand, dtype, nbytes=8 * MiB):
     return rand((nbytes // itemsize // 1024, 1024), dtype)
 
 
-def test_reducer_env_selects_implementation(arena, reducer):
+def test_the_installed_reducer_is_the_c_one(arena):
     p = _ArenaPickler(io.BytesIO(), arena.writer)
-    py_ref = type(p).reducer_override
-    if reducer == "py":
-        assert p.reducer_override.__func__ is py_ref
-    else:
-        assert getattr(p.reducer_override, "__func__", None) is not py_ref
-        assert type(p.reducer_override).__name__ == "builtin_function_or_method"
+    assert type(p.reducer_override).__name__ == "builtin_function_or_method"
 
 
 # ------------------------------------------------------------------------ out-of-band only
@@ -77,7 +68,7 @@ def test_oob_non_contiguous_and_offset_views(rand, same_bytes):
 
 
 # ------------------------------------------------------------------------ through the arena
-def test_arena_roundtrip_every_dtype(arena, rand, same_bytes, dtype, reducer):
+def test_arena_roundtrip_every_dtype(arena, rand, same_bytes, dtype):
     t = big(rand, dtype)
     small = rand((7,), dtype)
     data, bufs = dumps([t, small, "x"], arena.writer)
@@ -91,9 +82,7 @@ def test_arena_roundtrip_every_dtype(arena, rand, same_bytes, dtype, reducer):
     assert arena.in_use() == 0
 
 
-def test_arena_roundtrip_zero_dim_and_empty_at_min_bytes_zero(
-    make_arena, rand, same_bytes, reducer
-):
+def test_arena_roundtrip_zero_dim_and_empty_at_min_bytes_zero(make_arena, rand, same_bytes):
     """With min_bytes=0 even 0-dim and empty tensors take slots (nbytes 0 is allowed)."""
     arena = make_arena(num_slots=3, slot_bytes=MiB)
     msg = [rand((), torch.float64), torch.empty(0, 5, dtype=torch.int16), rand((3,), torch.bool)]
@@ -107,7 +96,7 @@ def test_arena_roundtrip_zero_dim_and_empty_at_min_bytes_zero(
     assert arena.in_use() == 0
 
 
-def test_same_tensor_twice_takes_one_slot(arena, rand, same_bytes, reducer):
+def test_same_tensor_twice_takes_one_slot(arena, rand, same_bytes):
     t = big(rand, torch.float32)
     got = loads(*dumps([t, t, {"again": t}], arena.writer))
     assert arena.writer.stats()["hits"] == 1
@@ -115,7 +104,7 @@ def test_same_tensor_twice_takes_one_slot(arena, rand, same_bytes, reducer):
     same_bytes(got[0], t)
 
 
-def test_message_with_many_tensors(make_arena, rand, same_bytes, reducer):
+def test_message_with_many_tensors(make_arena, rand, same_bytes):
     a = make_arena(num_slots=3, slot_bytes=4 * MiB)
     ts = {f"w{i}": big(rand, torch.float16, 2 * MiB) for i in range(3)}
     msg = {"tensors": ts, "ints": list(range(100)), "small": rand((3, 3), torch.float32)}
@@ -131,7 +120,7 @@ def test_message_with_many_tensors(make_arena, rand, same_bytes, reducer):
 # ------------------------------------------------------------------------ conj / neg views
 @pytest.mark.parametrize("with_arena", [False, True], ids=["oob", "arena"])
 @pytest.mark.parametrize("kind", ["conj", "neg"])
-def test_conj_and_neg_views_keep_values(arena, rng, kind, with_arena, reducer):
+def test_conj_and_neg_views_keep_values(arena, rng, kind, with_arena):
     # Real values (no NaN from random bytes): the check compares values, not bytes.
     if kind == "conj":
         v = torch.randn(MiB, dtype=torch.complex64, generator=rng).conj()
@@ -149,7 +138,7 @@ def test_conj_and_neg_views_keep_values(arena, rng, kind, with_arena, reducer):
 
 
 # ------------------------------------------------------------------------ Parameter, subclass
-def test_parameter_without_grad_goes_through_arena(arena, rand, same_bytes, reducer):
+def test_parameter_without_grad_goes_through_arena(arena, rand, same_bytes):
     t = big(rand, torch.bfloat16)
     got = loads(*dumps(torch.nn.Parameter(t, requires_grad=False), arena.writer))
     assert type(got) is torch.nn.Parameter
@@ -158,7 +147,7 @@ def test_parameter_without_grad_goes_through_arena(arena, rand, same_bytes, redu
     same_bytes(got.data, t)
 
 
-def test_parameter_with_grad_roundtrips(arena, rand, same_bytes, reducer):
+def test_parameter_with_grad_roundtrips(arena, rand, same_bytes):
     t = big(rand, torch.float32)
     p = torch.nn.Parameter(t.clone(), requires_grad=True)
     got = loads(*dumps(p, arena.writer))
@@ -168,7 +157,7 @@ def test_parameter_with_grad_roundtrips(arena, rand, same_bytes, reducer):
     assert arena.writer.stats()["declined"]["unsupported"] >= 1
 
 
-def test_parameter_with_grad_is_not_diverted(arena, rand, reducer):
+def test_parameter_with_grad_is_not_diverted(arena, rand):
     p = torch.nn.Parameter(big(rand, torch.float32), requires_grad=True)
     got = loads(*dumps(p, arena.writer))
     assert arena.writer.stats()["hits"] == 0, "the Parameter's bytes went into a slot"
@@ -176,7 +165,7 @@ def test_parameter_with_grad_is_not_diverted(arena, rand, reducer):
     del got
 
 
-def test_tensor_subclass_keeps_type_and_is_not_diverted(arena, rand, same_bytes, reducer):
+def test_tensor_subclass_keeps_type_and_is_not_diverted(arena, rand, same_bytes):
     t = big(rand, torch.float32)
     m = t.clone().as_subclass(MyT)
     got = loads(*dumps(m, arena.writer))
@@ -187,7 +176,7 @@ def test_tensor_subclass_keeps_type_and_is_not_diverted(arena, rand, same_bytes,
 
 
 # ------------------------------------------------------------------------ declines
-def test_decline_too_small(arena, rand, same_bytes, reducer):
+def test_decline_too_small(arena, rand, same_bytes):
     t = big(rand, torch.float32, MIN_BYTES - 4096)
     got = loads(*dumps(t, arena.writer))
     same_bytes(got, t)
@@ -195,7 +184,7 @@ def test_decline_too_small(arena, rand, same_bytes, reducer):
     assert s["declined"]["too_small"] == 1 and s["hits"] == 0
 
 
-def test_decline_not_contiguous(arena, rand, same_bytes, reducer):
+def test_decline_not_contiguous(arena, rand, same_bytes):
     t = big(rand, torch.float32).t()
     assert not t.is_contiguous()
     data, bufs = dumps(t, arena.writer)
@@ -205,7 +194,7 @@ def test_decline_not_contiguous(arena, rand, same_bytes, reducer):
     assert s["declined"]["not_contiguous"] == 1 and s["hits"] == 0
 
 
-def test_decline_oversize(make_arena, rand, same_bytes, reducer):
+def test_decline_oversize(make_arena, rand, same_bytes):
     a = make_arena(num_slots=2, slot_bytes=4 * MiB)
     t = big(rand, torch.int32, 4 * MiB + 4096)
     data, bufs, diverted = arena_dumps(t, a.writer, min_bytes=MiB)
@@ -214,7 +203,7 @@ def test_decline_oversize(make_arena, rand, same_bytes, reducer):
     assert a.declined()["oversize"] == 1
 
 
-def test_decline_no_free_slot(make_arena, rand, same_bytes, reducer):
+def test_decline_no_free_slot(make_arena, rand, same_bytes):
     a = make_arena(num_slots=1, slot_bytes=4 * MiB)
     t1, t2 = big(rand, torch.uint8, 2 * MiB), big(rand, torch.uint8, 2 * MiB)
     held = loads(*arena_dumps(t1, a.writer, min_bytes=MiB)[:2])  # holds the only slot
@@ -229,31 +218,75 @@ def test_decline_no_free_slot(make_arena, rand, same_bytes, reducer):
     same_bytes(loads(data, bufs), t2)
 
 
-def test_declines_match_between_reducers(make_arena, rand, monkeypatch):
-    """Both reducers count the same declines and hits for the same message sequence."""
-    results = {}
-    for mode in ("c", "py"):
-        monkeypatch.setattr(pickler_mod, "_USE_PY_REDUCER", mode == "py")
-        a = make_arena(num_slots=1, slot_bytes=4 * MiB)
-        keep = []
-        msgs = [
-            rand((100,), torch.float32),  # too_small
-            big(rand, torch.float32, 2 * MiB).t(),  # not_contiguous
-            big(rand, torch.float32, 8 * MiB),  # oversize
-            torch.nn.Parameter(big(rand, torch.float16, 2 * MiB), requires_grad=False),  # hit
-            big(rand, torch.float16, 2 * MiB),  # no_free_slot (the Parameter holds it)
-            big(rand, torch.complex64, 2 * MiB).conj(),  # unsupported
-        ]
-        for m in msgs:
-            keep.append(loads(*arena_dumps(m, a.writer, min_bytes=MiB)[:2]))
-        s = a.writer.stats()
-        results[mode] = (s["hits"], a.declined())
-    assert results["c"] == results["py"]
-    assert results["c"][0] == 1
+class _Sub(torch.Tensor):
+    """A tensor subclass: the arena must leave it to pickle (exact types only)."""
+
+
+def _random_object(g: torch.Generator, min_bytes: int):
+    """One object of a message: a tensor around the divert threshold in every shape the
+    decision cares about (dtype, layout, contiguity, conj/neg bits, grad, subclass), or not a
+    tensor at all."""
+    def pick(seq):
+        return seq[int(torch.randint(len(seq), (1,), generator=g))]
+
+    kind = pick(["tensor", "tensor", "tensor", "parameter", "subclass", "other"])
+    if kind == "other":
+        return pick([None, 3, "text", [1, 2], {"k": 1.5}])
+    dtype = pick([torch.float32, torch.float16, torch.bfloat16, torch.uint8, torch.complex64])
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = pick([min_bytes // 2, min_bytes - itemsize, min_bytes, 2 * min_bytes, 5 * min_bytes])
+    n = max(1, nbytes // itemsize)
+    t = torch.zeros(n, dtype=dtype)
+    view = pick(["plain", "strided", "transposed", "conj", "neg", "grad"])
+    if view == "strided" and n >= 2:
+        t = t[::2]
+    elif view == "transposed" and n >= 4:
+        t = t[: n - n % 2].reshape(2, -1).t()
+    elif view == "conj" and dtype.is_complex:
+        t = t.conj()
+    elif view == "neg" and dtype.is_complex:
+        t = torch._neg_view(t)
+    elif view == "grad" and dtype.is_floating_point:
+        t = t.requires_grad_(True)
+    if kind == "parameter":
+        return torch.nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+    if kind == "subclass":
+        return t.detach().as_subclass(_Sub)
+    return t
+
+
+def test_the_c_reducer_decides_as_the_oracle_on_random_objects(make_arena, seed):
+    """The divert decision exists once, in C; tests/python/reducer_oracle.py writes it out in
+    Python. On random objects (seeded) the two agree: every object is diverted, passed on, or
+    declined with the reason the oracle names."""
+    from reducer_oracle import expected_all
+
+    g = torch.Generator().manual_seed(seed)
+    a = make_arena(num_slots=64, slot_bytes=4 * MiB)
+    min_bytes = MiB
+    for i in range(400):
+        obj = _random_object(g, min_bytes)
+        want = expected_all(obj, min_bytes, a.writer.slot_bytes)
+        before = a.declined()
+        _, _, diverted = arena_dumps(obj, a.writer, min_bytes=min_bytes)
+        after = a.declined()
+        counted = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+        want_counted: dict = {}
+        for d in want:
+            if d not in ("divert", "pass"):
+                want_counted[d] = want_counted.get(d, 0) + 1
+        assert (len(diverted), counted) == (want.count("divert"), want_counted), (
+            i,
+            type(obj).__name__,
+            getattr(obj, "shape", None),
+            want,
+            f"{diverted=} {counted=}",
+        )
+        a.writer.give_back_unsent(diverted)
 
 
 # ------------------------------------------------------------------------ commit after dump
-def test_failed_dump_gives_every_slot_back(make_arena, rand, same_bytes, reducer):
+def test_failed_dump_gives_every_slot_back(make_arena, rand, same_bytes):
     a = make_arena(num_slots=2, slot_bytes=16 * MiB)
     t1, t2 = big(rand, torch.float32), big(rand, torch.int8)
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
@@ -268,7 +301,7 @@ def test_failed_dump_gives_every_slot_back(make_arena, rand, same_bytes, reducer
     same_bytes(got[1], t2)
 
 
-def test_failed_dump_leaves_counters_consistent(make_arena, rand, reducer):
+def test_failed_dump_leaves_counters_consistent(make_arena, rand):
     a = make_arena(num_slots=2, slot_bytes=16 * MiB)
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
         dumps([big(rand, torch.float32), big(rand, torch.float32), lambda: 0], a.writer)
@@ -303,7 +336,7 @@ def test_unacquired_stub_released_by_release_unacquired(arena, rand):
 
 
 # ------------------------------------------------------------------------ per-layout threshold
-def test_divert_threshold_is_per_layout(make_arena, rand, same_bytes, reducer, tmp_path):
+def test_divert_threshold_is_per_layout(make_arena, rand, same_bytes, tmp_path):
     """A tensor between the variable layout's threshold and the fixed layout's 8 MiB is
     diverted by a variable arena and sent out of band by a fixed one."""
     from vllm_shm_arena import ShmTensorArena

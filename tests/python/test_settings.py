@@ -35,7 +35,6 @@ GOOD = {
     "VLLM_SHM_ARENA_TCP_SECURITY": [("authenticated", "authenticated"), ("encrypted", "encrypted")],
     "VLLM_SHM_ARENA_STREAM_MIN_MB": [("0", 0), ("7", 7)],
     "VLLM_SHM_ARENA_DEBUG_CHECKSUM": [("1", True), ("0", False), ("yes", False)],
-    "VLLM_SHM_ARENA_PY_REDUCER": [("1", True), ("0", False)],
     "VLLM_RINGBUFFER_WARNING_INTERVAL": [("60", 60.0), ("0.5", 0.5), ("0", 0.0)],
     "VLLM_HOST_IP": [("10.0.0.7", "10.0.0.7")],
     "VLLM_MQ_MAX_CHUNK_BYTES_MB": [("4", 4), ("lots", None)],
@@ -63,7 +62,6 @@ BAD = {
 NEVER_BAD = {
     "VLLM_SHM_ARENA_PIN",
     "VLLM_SHM_ARENA_DEBUG_CHECKSUM",
-    "VLLM_SHM_ARENA_PY_REDUCER",
     "VLLM_HOST_IP",
     "VLLM_MQ_MAX_CHUNK_BYTES_MB",
     "VLLM_PLUGINS",

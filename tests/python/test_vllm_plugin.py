@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from vllm_shm_arena import vllm_plugin
+from vllm_shm_arena import vllm_interface, vllm_plugin
 from vllm_shm_arena.vllm_plugin import ShmArenaMessageQueue
 
 MPE = "vllm.v1.executor.multiproc_executor"
@@ -162,6 +162,26 @@ class WorkerProc:
 WorkerProc.__module__ = MPE
 
 
+def _fake_executor_class() -> type:
+    """Stands for multiproc_executor.MultiprocExecutor (0.32.0/0.33.0): builds the broadcast
+    queue in ``_init_executor``, with its ``parallel_config`` at hand. A class per fake vLLM:
+    the plugin wraps the method on the class."""
+
+    class MultiprocExecutor:
+        def __init__(self, parallel_config=None):
+            self.parallel_config = parallel_config
+
+        def _init_executor(self):
+            mq_cls = sys.modules[MPE].MessageQueue
+            self.rpc_broadcast_mq = mq_cls(
+                8, 4, connect_ip="127.0.0.1", enable_shm_tensor_arena=True
+            )
+
+    MultiprocExecutor.__module__ = MPE
+    MultiprocExecutor.__qualname__ = "MultiprocExecutor"
+    return MultiprocExecutor
+
+
 def _parallel_config(native_field: bool = True, **defaults: Any) -> type:
     """vLLM's ParallelConfig as far as the plugin reads it: fields and the node properties."""
     fields: dict[str, Any] = {
@@ -205,7 +225,7 @@ def fake_ours(monkeypatch) -> types.SimpleNamespace:
 def fresh_plugin(monkeypatch):
     """Plugin state as in a new process; restored afterwards."""
     monkeypatch.setattr(vllm_plugin, "_attempted", False)
-    for attr in ("_stock_cls", "_stock_handle_cls", "_ours_cls", "_ours_handle_cls"):
+    for attr in ("_stock_cls", "_stock_handle_cls", "_ours_cls", "_ours_handle_cls", "_vsa_stock"):
         monkeypatch.setattr(ShmArenaMessageQueue, attr, None)
     monkeypatch.setattr(ShmArenaMessageQueue, "_join_installed", False)
 
@@ -224,6 +244,7 @@ def _install_fake_vllm(monkeypatch, version: str | None = "0.33.0", native_field
     mpe.MessageQueue = StockMQ
     mpe.Handle = StockHandle
     mpe.WorkerProc = WorkerProc
+    mpe.MultiprocExecutor = _fake_executor_class()
     vllm.config, vllm.v1, v1.executor, executor.multiproc_executor = config, v1, executor, mpe
     distributed = types.ModuleType("vllm.distributed")
     ps = _fake_parallel_state()
@@ -295,7 +316,7 @@ def test_register_is_idempotent(fake_vllm, monkeypatch, caplog):
     ],
 )
 def test_supported_versions(version, ok):
-    assert vllm_plugin.is_supported_vllm_version(version) is ok
+    assert vllm_interface.is_supported_vllm_version(version) is ok
 
 
 @pytest.mark.parametrize("version", ["0.31.1", "0.34.0", "0.34.0.dev3"])
@@ -430,7 +451,7 @@ def test_importing_the_package_does_not_import_vllm(run_py):
 
 # ------------------------------------------------------------------------ interface snapshot
 def test_one_snapshot_per_verified_release():
-    assert set(vllm_plugin.INTERFACE_SNAPSHOTS) == set(vllm_plugin.SUPPORTED_VLLM_VERSIONS)
+    assert set(vllm_interface.INTERFACE_SNAPSHOTS) == set(vllm_interface.SUPPORTED_VLLM_VERSIONS)
 
 
 @pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
@@ -438,7 +459,7 @@ def test_fake_vllm_matches_each_verified_snapshot(monkeypatch, fresh_plugin, fak
     """The fake copies vLLM 0.32.0/0.33.0's signatures: the snapshot finds nothing changed."""
     mpe = _install_fake_vllm(monkeypatch, version=version)
     config = sys.modules["vllm.config"]
-    assert vllm_plugin.interface_changes(version, config.ParallelConfig, mpe) == []
+    assert vllm_interface.interface_changes(version, config.ParallelConfig, mpe) == []
     vllm_plugin.register()
     assert mpe.MessageQueue is ShmArenaMessageQueue
 
@@ -724,8 +745,8 @@ def test_pydantic_field_defaults_are_read_through_their_field_info(
 ):
     mpe = _install_fake_vllm(monkeypatch)
     config = _with_field_info(1)
-    assert vllm_plugin._fields(config)["nnodes"] == "nnodes=1"
-    assert vllm_plugin.interface_changes("0.33.0", config, mpe) == []
+    assert vllm_interface._fields(config)["nnodes"] == "nnodes=1"
+    assert vllm_interface.interface_changes("0.33.0", config, mpe) == []
 
 
 def test_parallel_config_default_changed_is_named(monkeypatch, fresh_plugin, fake_ours, caplog):
@@ -773,7 +794,7 @@ def test_our_queue_takes_every_argument_of_the_executors_calls():
     an argument it lacks."""
     import vllm_shm_arena
 
-    for version, snap in vllm_plugin.INTERFACE_SNAPSHOTS.items():
+    for version, snap in vllm_interface.INTERFACE_SNAPSHOTS.items():
         for key, params in snap.items():
             if not key.startswith("MessageQueue.") or key == "MessageQueue.__init__":
                 continue
@@ -799,10 +820,10 @@ def test_snapshot_matches_the_installed_vllm():
     release really has."""
     import vllm
 
-    version = vllm_plugin._vllm_version(vllm)
-    assert vllm_plugin.is_supported_vllm_version(version), version
+    version = vllm_interface._vllm_version(vllm)
+    assert vllm_interface.is_supported_vllm_version(version), version
     parallel_config, mpe = _real_vllm()
-    assert vllm_plugin.interface_changes(version, parallel_config, mpe) == []
+    assert vllm_interface.interface_changes(version, parallel_config, mpe) == []
 
 
 # ------------------------------------------------------------------------ the factory
@@ -892,26 +913,31 @@ def test_remote_readers_without_our_join_build_stock(fake_vllm, caplog, monkeypa
     assert "create_mq_broadcaster, is vLLM's" in _plugin_records(caplog)[0].getMessage()
 
 
-class _FakeExecutor:
-    """Builds the queue as MultiprocExecutor._init_executor does, with its parallel_config."""
-
-    def __init__(self, mq_cls, nnodes, nnodes_within_dp):
-        self.parallel_config = types.SimpleNamespace(
-            nnodes=nnodes, nnodes_within_dp=nnodes_within_dp
-        )
-        self.rpc_broadcast_mq = mq_cls(8, 4, connect_ip="127.0.0.1", enable_shm_tensor_arena=True)
-
-
 @pytest.mark.parametrize("nnodes, within, ours", [(2, 2, True), (4, 2, False)])
 def test_data_parallelism_across_nodes_builds_stock(fake_vllm, caplog, nnodes, within, ours):
     """DP replicas over nodes (nnodes_within_dp != nnodes): the plugin stands aside, with a
-    line that says why."""
+    line that says why. It learns the executor's config from the wrapper register() puts
+    around ``MultiprocExecutor._init_executor``, where the executor builds the queue."""
     vllm_plugin.register()
-    q = _FakeExecutor(fake_vllm.MessageQueue, nnodes, within).rpc_broadcast_mq
+    config = types.SimpleNamespace(nnodes=nnodes, nnodes_within_dp=within)
+    executor = fake_vllm.MultiprocExecutor(config)
+    executor._init_executor()
+    q = executor.rpc_broadcast_mq
     assert type(q) is (OurMQ if ours else StockMQ)
     if not ours:
         msg = _plugin_records(caplog)[0].getMessage()
         assert "data parallelism across nodes" in msg and "4 nodes, 2 per replica" in msg, msg
+    assert vllm_plugin._EXECUTOR_CONFIG.get() is None  # only while the executor builds it
+
+
+def test_the_executors_init_is_wrapped_once_and_keeps_its_signature(fake_vllm):
+    stock = fake_vllm.MultiprocExecutor._init_executor
+    vllm_plugin.register()
+    wrapped = fake_vllm.MultiprocExecutor._init_executor
+    assert wrapped is not stock and wrapped._vsa_stock is stock
+    assert vllm_interface._params(wrapped) == vllm_interface._params(stock)
+    vllm_plugin._install_config_watch(fake_vllm)  # again: no second layer
+    assert fake_vllm.MultiprocExecutor._init_executor is wrapped
 
 
 def test_register_installs_the_join_on_the_group_coordinator(fake_vllm):
@@ -920,12 +946,12 @@ def test_register_installs_the_join_on_the_group_coordinator(fake_vllm):
     vllm_plugin.register()
     ours = ps.GroupCoordinator.create_mq_broadcaster
     assert ours is not stock and ours._vsa_stock is stock
-    assert vllm_plugin._params(ours) == vllm_plugin._params(stock)
+    assert vllm_interface._params(ours) == vllm_interface._params(stock)
     assert ShmArenaMessageQueue._join_installed
     # After a reload of the plugin, the checker sees vLLM's function behind ours.
     version = "0.33.0"
     config = sys.modules["vllm.config"].ParallelConfig
-    assert vllm_plugin.interface_changes(version, config, fake_vllm, ps) == []
+    assert vllm_interface.interface_changes(version, config, fake_vllm, ps) == []
 
 
 class _StockMQNext(StockMQ):

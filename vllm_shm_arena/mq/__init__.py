@@ -8,7 +8,8 @@ Dependencies run one way, top to bottom; no part imports message_queue.py::
       writer.py        WriterEnd: the send path, settling an interrupted send, the broken state
       reader.py        LocalReaderEnd / RemoteReaderEnd: ring, overflow, blobs, unpickling
       end.py           End: what every role shares; the calls of other roles fail there
-      transport.py     the sockets beside the ring: handshake, token, monitor, send/recv
+      transport.py     the sockets beside the ring: handshake, sealed frames, monitor, send/recv
+      admission.py     who may connect to the writer's TCP socket: the ZAP handler, the roster
       reporting.py     counters, rate-limited logs, the once-a-second reports and their timer
       lifecycle.py     pid, shutdown flag, call lock, the exit gate and hook, the finalizer
       protocol.py      the Handle, the frames and ring markers, the reader-side errors

@@ -50,7 +50,7 @@ _BLOB_SHARE = 4
 
 #: Arena geometry of the queues this process creates (read once, at import; settings.py).
 #: "variable": one region of _ARENA_BYTES packing any tensor up to its size (the default);
-#: "fixed": _ARENA_NUM_SLOTS slots of _ARENA_SLOT_BYTES (the design document's layout). The
+#: "fixed": _ARENA_NUM_SLOTS slots of _ARENA_SLOT_BYTES (vLLM's own arena's layout). The
 #: policy is checked when a queue asks for an arena, so a bad one never fails a queue without.
 _ARENA_POLICY = settings.arena_policy_unchecked()
 _ARENA_BYTES = settings.arena_bytes()
