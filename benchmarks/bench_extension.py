@@ -71,7 +71,7 @@ def _bandwidth_one(mib: int, reps: int, cold_reps: int) -> dict:
     warm = []
     for i in range(reps + 1):
         t0 = _ns()
-        res = w._write(src)
+        res = w.write(src)
         dt = _ns() - t0
         assert res is not None, w.stats()
         r.release_unacquired(*res)
@@ -88,7 +88,7 @@ def _bandwidth_one(mib: int, reps: int, cold_reps: int) -> dict:
     for _ in range(cold_reps):
         w = ShmTensorArena.create(1, 1, n)
         t0 = _ns()
-        res = w._write(src)
+        res = w.write(src)
         cold.append(_ns() - t0)
         assert res is not None and w.stats()["cold_copies"] == 1
         w.close()
@@ -146,7 +146,7 @@ def _rebuild_one(mib: int, iters: int, fresh_iters: int) -> dict:
     get_fresh, loads_fresh = [], []
     for i in range(fresh_iters):
         if i % 2 == 0:
-            s, g = w._write(src)
+            s, g = w.write(src)
             t0 = _ns()
             x = r.get_tensor(s, n, torch.float32, shape, g)
             get_fresh.append(_ns() - t0)

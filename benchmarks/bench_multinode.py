@@ -5,7 +5,7 @@ readers, relay off (every remote reader its own TCP subscription, the pre-relay 
 Two placements (``--mode``):
 
 * ``netns`` (default where root may make namespaces): two "nodes" of
-  ``scripts/netns_nodes.sh`` (tests/python/netns.py) joined by a veth pair rate-limited to
+  ``e2e/netns_nodes.sh`` (e2e/netns.py) joined by a veth pair rate-limited to
   ``RATE`` (default 10gbit; ``RATE=`` for none): the writer in node 0's network namespace, its
   local readers beside it, the remote node's readers in node 1's network, mount and IPC
   namespaces (its own /dev/shm, so the relay's arena is node 1's own). Link bytes: nftables
@@ -44,11 +44,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests" / "python"))
 
-import multinode_helpers as M  # noqa: E402
 import torch  # noqa: E402
 
+from e2e import netns  # noqa: E402
 from vllm_shm_arena import MessageQueue  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "multinode"
@@ -147,11 +146,11 @@ def run(n_remote: int, relay: bool, size: int, n: int, nodes=None) -> dict:
         for rank in remote:
             start(_reader, h, rank, n, q, f"remote{rank}", remote=True)
     mq.wait_until_ready(timeout=120)
-    port = M.port_of(h.remote_subscribe_addr)
+    port = netns.port_of(h.remote_subscribe_addr)
 
     def link_bytes():
         if nodes is None:
-            return M.tcp_bytes_from_port(port)
+            return netns.tcp_bytes_from_port(port)
         c = nodes.counters()
         return c.tx(0, port) + c.rx(0, port)
 
@@ -203,7 +202,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.security:
         os.environ["VLLM_SHM_ARENA_TCP_SECURITY"] = args.security
-    import netns
 
     why = netns.unavailable_reason()
     mode = args.mode

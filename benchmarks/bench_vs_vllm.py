@@ -4,7 +4,7 @@ Drives this project's ``MessageQueue`` (modes ``oob``: arena off; ``arena``; ``l
 producer builds its tensor in the arena) and vLLM's own ``MessageQueue`` from
 ``vllm.distributed.device_communicators.shm_broadcast`` (``vllm-oob``: stock;
 ``vllm-arena``: its pure-Python ``ShmTensorArena``, 8 round-robin slots of 256 MiB, tensors
->= 8 MiB) through ``broadcast_ab.run_cell``: one writer, TP forked readers that copy each
+>= 8 MiB) through ``harness.run_cell``: one writer, TP forked readers that copy each
 tensor into host memory, lock-step messages. Needs vLLM importable: run it in the venv
 ``make vllm-test`` builds (``.venv-vllm``).
 
@@ -43,7 +43,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import broadcast_ab as ab  # noqa: E402
+import harness as ab  # noqa: E402  (benchmarks/, beside this file)
+
+from vllm_shm_arena._ext import _C  # noqa: E402
 
 OUT = os.path.join(ab.RESULTS, "vs_vllm")
 TPS = [1, 2, 4]
@@ -131,7 +133,7 @@ def workloads(seed: int, sides: list[int]) -> list[dict]:
                 "name": f"{mb} MiB",
                 "kind": "tensor",
                 "size_mb": mb,
-                "sources": [ab._make_tensor(mb, seed)],
+                "sources": [ab.make_tensor(mb, seed)],
                 "modes": MODES,
             }
         )
@@ -140,7 +142,7 @@ def workloads(seed: int, sides: list[int]) -> list[dict]:
             "name": "burst 25x16 MiB",
             "kind": "burst",
             "size_mb": 16,
-            "sources": [ab._make_tensor(mb, seed + k) for k, mb in enumerate(BURST)],
+            "sources": [ab.make_tensor(mb, seed + k) for k, mb in enumerate(BURST)],
             "modes": MODES,
         }
     )
@@ -556,7 +558,7 @@ def main(argv=None) -> int:
         "repeats": args.repeats,
         "vllm_version": vllm.__version__,
         "machine": ab.machine_info(),
-        "copy_threads": ab._C.copy_threads(),
+        "copy_threads": _C.copy_threads(),
         "loadavg": {**_spread(loads), "samples": loads},
         "counts": counts,
         "warm_memcpy_ms": memcpy,

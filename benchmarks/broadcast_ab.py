@@ -32,318 +32,45 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import platform
 import statistics
 import sys
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from harness import (  # noqa: E402  (benchmarks/, beside this file)
+    MODE_LABEL,
+    MODES,
+    PIXEL_SIDES,
+    RESULTS,
+    machine_info,
+    mib,
+    pixel_values,
+    run_cell,
+    run_record,
+    start_readers,
+    warm_memcpy_ms,
+)
 
 from vllm_shm_arena import MessageQueue  # noqa: E402
 from vllm_shm_arena import arena as arena_mod  # noqa: E402
 from vllm_shm_arena._ext import _C  # noqa: E402
-from vllm_shm_arena.mq import writer as mq_writer  # noqa: E402
 
-MODES = ("inband", "oob", "arena", "loan")
-MODE_LABEL = {
-    "inband": "in-band pickle",
-    "oob": "out-of-band _reduce_tensor",
-    "arena": "shm tensor arena",
-    "arena-fixed": "arena, fixed 8x256MiB slots",
-    "loan": "arena, loaned tensor",
-    # vLLM's own queue (needs vLLM installed, e.g. `make vllm-test`'s .venv-vllm):
-    "vllm-oob": "vLLM MessageQueue, stock",
-    "vllm-arena": "vLLM MessageQueue, its own arena",
-}
 #: Extra workloads (one message each, several tensors): name -> list of tensor sizes in MB.
 WORKLOADS = {
     "burst": [16] * 25,  # a request with 25 images of 16 MB
     "huge": [1024],  # one 1 GiB tensor
 }
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 #: The threshold cells (see the module docstring).
 THRESHOLD_SIZES_MB = [0.25, 0.5, 1, 2, 4, 8]
 THRESHOLD_TPS = [2, 4]
 #: Ring chunk size -> what it means for a 0.25-8 MiB out-of-band message.
 THRESHOLD_CHUNKS = {16 << 20: "ring", 128 << 10: "socket"}
-#: Image sides for the pixel_values workload: 448^2 ~ 1.2 MB, 1024^2 ~ 6.4 MB, 2048^2 ~ 25 MB.
-PIXEL_SIDES = [448, 1024, 2048]
 #: A threshold must leave the arena this much faster (median delivery ratio) at every size
 #: above it: on the shared 2-core machine a single cell's ratio moves by +-0.3 between runs.
 THRESHOLD_MARGIN = 1.25
-#: Bytes per patch of Qwen2-VL's uint8 pixel_values: 14 x 14 pixels x 3 channels x 2 frames.
-PATCH_BYTES = 1176
-
-
-def copies_per_message(mode: str, tp: int) -> int:
-    """Payload copies on the host per message, by construction of each path (not counting
-    the readers' consume copy). in-band: serialize 1 + per reader transport 1 + unpickle 1;
-    out-of-band: per reader transport 1 (zero-copy send and rebuild); arena: 1 writer copy."""
-    return {
-        "inband": 1 + 2 * tp,
-        "oob": tp,
-        "arena": 1,
-        "arena-fixed": 1,
-        "loan": 0,
-        "vllm-oob": tp,
-        "vllm-arena": 1,
-    }[mode]
-
-
-def _queue_class(handle_or_mode):
-    """Our MessageQueue, or vLLM's for the vllm-* modes (and for vLLM's handles)."""
-    name = handle_or_mode if isinstance(handle_or_mode, str) else type(handle_or_mode).__module__
-    if name.startswith("vllm-") or name.startswith("vllm."):
-        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue as VllmMQ
-
-        return VllmMQ
-    return MessageQueue
-
-
-def _reader_main(handle, rank, conn, consume_bytes, consume="cpu"):
-    torch.set_num_threads(1)
-    if consume == "cuda":
-        torch.zeros(1, device="cuda")  # a context before the first tensor: the arena pins
-    mq = _queue_class(handle).create_from_handle(handle, rank)
-    mq.wait_until_ready()
-    dst = torch.zeros(consume_bytes, dtype=torch.uint8, device=consume)  # pre-touched
-    while True:
-        msg = mq.dequeue()
-        t_recv = time.perf_counter()
-        if msg is None:
-            break
-        ts = msg["pixel_values"]
-        off, ok = 0, True
-        for t, (first, last) in zip(ts, msg["check"], strict=True):
-            flat = t.reshape(-1).view(torch.uint8)
-            dst[off : off + flat.numel()].copy_(flat, non_blocking=consume == "cuda")
-            off += flat.numel()
-            ok = ok and int(flat[0]) == first and int(flat[-1]) == last
-            del t, flat  # the loop's names must not keep the last tensor (its slot) alive
-        if consume == "cuda":
-            torch.cuda.current_stream().synchronize()
-        t_cons = time.perf_counter()
-        del msg, ts
-        conn.send((t_recv, t_cons, getattr(mq, "last_dequeue_s", 0.0), ok))
-    conn.send(mq.stats() if hasattr(mq, "stats") else {})
-    mq.shutdown()
-
-
-def start_readers(mq, tp, target, *extra, method="fork"):
-    """``tp`` reader processes running ``target(handle, rank, conn, *extra)``, each with a
-    pipe back; returns ``(conns, procs)`` once the queue is ready."""
-    ctx = mp.get_context(method)
-    conns, procs = [], []
-    for rank in range(tp):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=target, args=(mq.export_handle(), rank, child, *extra), daemon=True)
-        p.start()
-        conns.append(parent)
-        procs.append(p)
-    mq.wait_until_ready()
-    return conns, procs
-
-
-def _start_readers(mq, tp, consume_bytes, consume="cpu"):
-    # CUDA cannot be used in a forked child of a process that touched it: spawn then.
-    method = "spawn" if consume == "cuda" else "fork"
-    return start_readers(mq, tp, _reader_main, consume_bytes, consume, method=method)
-
-
-def _stop_readers(mq, conns, procs):
-    mq.enqueue(None)
-    stats = [c.recv() for c in conns]
-    for p in procs:
-        p.join(timeout=30)
-    mq.shutdown()
-    return stats
-
-
-def _make_tensor(size_mb: float, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    n = int(size_mb * (1 << 20)) // 2
-    return torch.randint(-(2**15), 2**15 - 1, (n,), generator=g, dtype=torch.int16).view(
-        torch.bfloat16
-    )
-
-
-def pixel_patches(side: int) -> int:
-    """Patches of a side x side image after Qwen2-VL's resize (sides rounded to a multiple
-    of 28, then 14 x 14 patches): 1024 -> 74 x 74 = 5476 patches, 6.4 MB as uint8."""
-    per_side = max(1, round(side / 28)) * 2
-    return per_side * per_side
-
-
-def pixel_values(side: int, seed: int) -> torch.Tensor:
-    """Random uint8 pixel_values shaped like vLLM's for one image: (n_patches, 1176)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (pixel_patches(side), PATCH_BYTES), generator=g).to(torch.uint8)
-
-
-def _queue(mode: str, tp: int, chunk_bytes: int = 16 << 20) -> MessageQueue:
-    if mode.startswith("vllm-"):
-        return _queue_class(mode)(
-            tp,
-            tp,
-            max_chunk_bytes=chunk_bytes,
-            max_chunks=10,
-            enable_shm_tensor_arena=mode == "vllm-arena",
-        )
-    arena = mode in ("arena", "arena-fixed", "loan")
-    mq_writer._ARENA_POLICY = "fixed" if mode == "arena-fixed" else "variable"
-    mq = MessageQueue(
-        tp, tp, max_chunk_bytes=chunk_bytes, max_chunks=10, enable_shm_tensor_arena=arena
-    )
-    mq.serialize_inband = mode == "inband"
-    return mq
-
-
-class _VllmArenaHits:
-    """Counts the tensors vLLM's own arena took (its queue keeps no such counter): wraps the
-    writer arena's ``write_tensor`` on this instance only."""
-
-    def __init__(self, arena):
-        self.hits = 0
-        self._write = arena.write_tensor
-        arena.write_tensor = self
-
-    def __call__(self, t):
-        slot = self._write(t)
-        self.hits += slot is not None
-        return slot
-
-
-def _writer_stats(mq, vllm_hits: _VllmArenaHits | None) -> dict:
-    """Our queue's stats(); for vLLM's queue, the arena hits counted by _VllmArenaHits."""
-    if hasattr(mq, "stats"):
-        return mq.stats()
-    out = {"overflow_messages": -1}
-    if vllm_hits is not None:
-        out["arena"] = {"hits": vllm_hits.hits, "declined": {}}
-    return out
-
-
-def _lend(mq: MessageQueue, sources: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Loan mode: the producer builds its tensors directly in the arena (the fill stands in
-    for the preprocessor writing its output, and is not part of the broadcast)."""
-    out = []
-    for src in sources:
-        t = mq.empty(src.shape, src.dtype)
-        t.copy_(src)
-        out.append(t)
-    return out
-
-
-def run_cell(
-    mode,
-    tp,
-    size_mb,
-    n_msgs,
-    warmup,
-    seed,
-    bar=None,
-    consume="cpu",
-    sizes=None,
-    chunk_bytes=16 << 20,
-    sources=None,
-    workload=None,
-    tag_fn=None,
-    extra=None,
-):
-    """One (mode, TP, workload) cell: fresh queue and readers, warm-up, then measured
-    messages. A message carries one tensor of size_mb, or one per entry of ``sizes``, or
-    the given ``sources`` (named ``workload``; ``[]``: no large tensor), plus the ``extra``
-    items (e.g. a scheduler step's metadata); the ring's chunks are ``chunk_bytes``.
-    ``tag_fn(i)``, called before message i, returns a tag; medians per tag go in ``by_tag``
-    (an A/B interleaved inside one cell)."""
-    if sources is None:
-        sources = [_make_tensor(mb, seed + k) for k, mb in enumerate(sizes or [size_mb])]
-    check = [
-        (int(t.reshape(-1).view(torch.uint8)[0]), int(t.reshape(-1).view(torch.uint8)[-1]))
-        for t in sources
-    ]
-    nbytes = sum(t.numel() * t.element_size() for t in sources)
-    mq = _queue(mode, tp, chunk_bytes)
-    vllm_hits = None
-    if mode == "vllm-arena" and getattr(mq, "tensor_arena", None) is not None:
-        vllm_hits = _VllmArenaHits(mq.tensor_arena)
-    conns, procs = _start_readers(mq, tp, nbytes, consume)
-    rows = []
-    try:
-        before = {}
-        for i in range(warmup + n_msgs):
-            if i == warmup:
-                before = _writer_stats(mq, vllm_hits).get("arena", {})
-            tag = tag_fn(i) if tag_fn is not None else None
-            ts = _lend(mq, sources) if mode == "loan" else sources
-            msg = {"pixel_values": ts, "step": i, "check": check, **(extra or {})}
-            t0 = time.perf_counter()
-            mq.enqueue(msg)
-            t1 = time.perf_counter()
-            del ts, msg
-            acks = [c.recv() for c in conns]
-            if not all(a[3] for a in acks):
-                raise RuntimeError(f"{mode} TP={tp} {size_mb} MiB: a reader saw wrong bytes")
-            if i >= warmup:
-                rows.append(
-                    {
-                        "enqueue_ms": (t1 - t0) * 1e3,
-                        "delivery_ms": (max(a[0] for a in acks) - t0) * 1e3,
-                        "consume_ms": (max(a[1] for a in acks) - t0) * 1e3,
-                        "dequeue_us": max(a[2] for a in acks) * 1e6,
-                        "tag": tag,
-                    }
-                )
-            if bar is not None:
-                bar.update(1)
-        writer_stats = _writer_stats(mq, vllm_hits)
-    finally:
-        reader_stats = _stop_readers(mq, conns, procs)
-    metrics = [k for k in rows[0] if k != "tag"]
-    med = {k: statistics.median(r[k] for r in rows) for k in metrics}
-    by_tag = {}
-    for tag in sorted({r["tag"] for r in rows if r["tag"] is not None}, key=str):
-        sel = [r for r in rows if r["tag"] == tag]
-        by_tag[str(tag)] = {f"{k}_p50": statistics.median(r[k] for r in sel) for k in metrics}
-    arena = writer_stats.get("arena", {})
-    # Where the measured messages' tensors went: hits minus those of the warm-up.
-    hits = arena.get("hits", 0) - before.get("hits", 0) if arena else 0
-    fallbacks = len(sources) * n_msgs - hits if arena else 0
-    cell = {
-        "mode": mode,
-        "tp": tp,
-        "size_mb": size_mb,
-        "messages": n_msgs,
-        **{f"{k}_p50": v for k, v in med.items()},
-        "delivery_ms_min": min(r["delivery_ms"] for r in rows),
-        # A declined tensor (e.g. below the 8 MiB threshold) took the out-of-band path.
-        "workload": workload or ("single" if sizes is None else f"{len(sizes)}x{sizes[0]}MB"),
-        "tensor_bytes": nbytes,
-        "chunk_bytes": chunk_bytes,
-        "fallbacks_per_message": fallbacks / n_msgs,
-        "host_bytes_moved": (
-            copies_per_message(mode if hits else ("oob" if arena else mode), tp) + tp
-        )
-        * nbytes,
-        "arena_hits": hits,
-        "arena_declined": arena.get("declined", {}),
-        "overflow_messages": writer_stats["overflow_messages"],
-        "reader_overflow": sum(s.get("overflow_messages", 0) for s in reader_stats),
-    }
-    if by_tag:
-        cell["by_tag"] = by_tag
-    return cell
-
-
-def _mib(nbytes: int) -> str:
-    """Bytes as MiB for tables: whole MiB plain, fractions to two places."""
-    mib = nbytes / (1 << 20)
-    return f"{mib:.0f}" if mib >= 10 or mib == int(mib) else f"{mib:.2f}"
 
 
 def threshold_cells(n_msgs, warmup, seed, consume="cpu", tps=None, repeats=1, bar=None):
@@ -495,7 +222,7 @@ def write_threshold_outputs(result: dict, out_dir: str) -> None:
     ]
     for r in summ["rows"]:
         lines.append(
-            f"| {r['workload']} | {_mib(r['tensor_bytes'])} | {r['tp']} | {r['transport']} "
+            f"| {r['workload']} | {mib(r['tensor_bytes'])} | {r['tp']} | {r['transport']} "
             f"| {r['oob_delivery_ms']:.3f} | {r['arena_delivery_ms']:.3f} "
             f"| **{r['delivery_oob_over_arena']:.2f}** | {r['delivery_oob_over_arena_min']:.2f} "
             f"| {r['consume_oob_over_arena']:.2f} |"
@@ -512,30 +239,17 @@ def write_threshold_outputs(result: dict, out_dir: str) -> None:
     for k, v in summ["crossover_bytes"].items():
         w = summ["crossover_margin_bytes"][k]
         lines.append(
-            f"- {k}: {'never at <= 8 MiB' if v is None else _mib(v) + ' MiB'} / "
-            f"{'never at <= 8 MiB' if w is None else _mib(w) + ' MiB'}"
+            f"- {k}: {'never at <= 8 MiB' if v is None else mib(v) + ' MiB'} / "
+            f"{'never at <= 8 MiB' if w is None else mib(w) + ' MiB'}"
         )
     lines += [
         "",
-        f"Suggested variable-layout threshold: **{_mib(summ['suggested_min_bytes'])} MiB** "
-        f"(in force: VARIABLE_MIN_BYTES = {_mib(result['variable_min_bytes'])} MiB; fixed "
-        f"layout MIN_BYTES = {_mib(result['fixed_min_bytes'])} MiB).",
+        f"Suggested variable-layout threshold: **{mib(summ['suggested_min_bytes'])} MiB** "
+        f"(in force: VARIABLE_MIN_BYTES = {mib(result['variable_min_bytes'])} MiB; fixed "
+        f"layout MIN_BYTES = {mib(result['fixed_min_bytes'])} MiB).",
     ]
     with open(os.path.join(out_dir, "threshold.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-
-
-def warm_memcpy_ms(size_mb: float, reps: int = 7) -> float:
-    """Median time of one warm memcpy of size_mb MiB (torch copy_ between touched buffers)."""
-    n = int(size_mb * (1 << 20))
-    src = torch.ones(n, dtype=torch.uint8)
-    dst = torch.zeros(n, dtype=torch.uint8)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def small_message_overhead(tp: int, n: int, seed: int) -> dict:
@@ -601,7 +315,7 @@ def write_outputs(result: dict, out_dir: str) -> None:
     ]
     for c in result["cells"]:
         lines.append(
-            f"| {c['workload']} | {_mib(c['tensor_bytes'])} | {c['tp']} | {MODE_LABEL[c['mode']]} "
+            f"| {c['workload']} | {mib(c['tensor_bytes'])} | {c['tp']} | {MODE_LABEL[c['mode']]} "
             f"| {c['enqueue_ms_p50']:.2f} | {c['delivery_ms_p50']:.2f} | {c['consume_ms_p50']:.1f} "
             f"| {c['dequeue_us_p50']:.0f} | {c['host_bytes_moved'] / 1e9:.2f} | {c['arena_hits']} "
             f"| {c['fallbacks_per_message']:g} |"
@@ -643,35 +357,6 @@ def write_outputs(result: dict, out_dir: str) -> None:
     fig.suptitle(result["machine"]["summary"])
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, f"{stem}.png"), dpi=110)
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "mem_gib": round(mem_gb, 1),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "summary": f"{os.cpu_count()} cores, {mem_gb:.0f} GiB, {cpu}",
-    }
-
-
-def run_record(script: str, argv) -> dict:
-    """The fields every results file starts with: the command that reruns it and when."""
-    return {
-        "command": " ".join(["python", f"benchmarks/{script}", *(argv or sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
 
 
 def alternating_ab(args, argv, *, arms, reset, stem, what, default_sizes, burst=False) -> int:
@@ -834,17 +519,17 @@ def threshold_main(args, argv) -> int:
     )
     for r in result["threshold"]["rows"]:
         print(
-            f"{r['workload']:>22} {_mib(r['tensor_bytes']):>5} {r['tp']:>3} {r['transport']:>9} "
+            f"{r['workload']:>22} {mib(r['tensor_bytes']):>5} {r['tp']:>3} {r['transport']:>9} "
             f"{r['oob_delivery_ms']:>8.3f} {r['arena_delivery_ms']:>8.3f} "
             f"{r['delivery_oob_over_arena']:>15.2f} {r['consume_oob_over_arena']:>17.2f}"
         )
     for k, v in result["threshold"]["crossover_bytes"].items():
         w = result["threshold"]["crossover_margin_bytes"][k]
         print(
-            f"crossover {k}: {'never' if v is None else _mib(v) + ' MiB'} (median), "
-            f"{'never' if w is None else _mib(w) + ' MiB'} (with the margin)"
+            f"crossover {k}: {'never' if v is None else mib(v) + ' MiB'} (median), "
+            f"{'never' if w is None else mib(w) + ' MiB'} (with the margin)"
         )
-    print(f"suggested threshold: {_mib(result['threshold']['suggested_min_bytes'])} MiB")
+    print(f"suggested threshold: {mib(result['threshold']['suggested_min_bytes'])} MiB")
     out = os.path.join(args.out, "threshold")
     write_threshold_outputs(result, out)
     print(f"\nwrote {out}/threshold.{{json,md}}")
@@ -1042,7 +727,7 @@ def main(argv=None) -> int:
     print(hdr)
     for c in cells:
         print(
-            f"{c['workload']:>9} {_mib(c['tensor_bytes']):>5} {c['tp']:>3} "
+            f"{c['workload']:>9} {mib(c['tensor_bytes']):>5} {c['tp']:>3} "
             f"{MODE_LABEL[c['mode']]:<28} "
             f"{c['enqueue_ms_p50']:>7.2f}ms {c['delivery_ms_p50']:>7.2f}ms "
             f"{c['consume_ms_p50']:>7.1f}ms {c['dequeue_us_p50']:>7.0f}us "

@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import broadcast_ab as ab  # noqa: E402  (benchmarks/, for its reader start-up and records)
+import harness as ab  # noqa: E402  (benchmarks/, beside this file)
 
 from vllm_shm_arena import MessageQueue, metrics  # noqa: E402
 from vllm_shm_arena import arena as arena_mod  # noqa: E402

@@ -50,7 +50,7 @@ def arena_tensor(size: int, pinned: bool):
     r = ShmTensorArena.attach(w.handle(), 0)
     w.unlink()
     src = torch.randint(0, 255, (size,), dtype=torch.uint8)
-    slot, gen = w._write(src)
+    slot, gen = w.write(src)
     t0 = time.perf_counter()
     t = r.get_tensor(slot, size, torch.uint8, (size,), generation=gen)
     first_ms = (time.perf_counter() - t0) * 1e3

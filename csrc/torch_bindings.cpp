@@ -1,7 +1,10 @@
-// The module vllm_shm_arena._C: every name it exports, one line each, in PYBIND11_MODULE
-// below, plus the out-of-band rebuild (a tensor over a received buffer). What the names stand
-// for lives beside this file, one job per file:
-//   csrc/bindings/tensor_arena.h      allocation records as at::Tensors (ArenaWriter, ArenaReader)
+// The module vllm_shm_arena._C. PYBIND11_MODULE below exports the arena, the stubs, the socket
+// directory and the cleaner's helpers, and calls bind_messages and bind_call_safety for the rest;
+// this file also holds the out-of-band rebuild (a tensor over a received buffer). Each exported
+// class has its C++ name (the message ring's wrappers add only the Py prefix). What the names
+// stand for lives beside this file, one job per file:
+//   csrc/bindings/tensor_arena.h      allocation records as at::Tensors (TensorArenaWriter,
+//                                     TensorArenaReader)
 //   csrc/bindings/stubs.{h,cpp}       the pickled form of an arena tensor: C reducer, stub rebuild
 //   csrc/bindings/message_bindings.*  the message ring and arena blobs (bound by bind_messages)
 //   csrc/bindings/gil.h               calls without the GIL (why none re-takes it in a destructor)
@@ -106,7 +109,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("DECLINE_REASONS") = py::tuple(
       py::cast(std::vector<std::string>(kDeclineReasonNames.begin(), kDeclineReasonNames.end())));
 
-  py::class_<TensorArenaWriter, std::shared_ptr<TensorArenaWriter>>(m, "ArenaWriter")
+  py::class_<TensorArenaWriter, std::shared_ptr<TensorArenaWriter>>(m, "TensorArenaWriter")
       // Creates the region (checking free space in `dir`, "" = default /dev/shm).
       .def(py::init<uint32_t, uint32_t, uint64_t, const std::string&, uint64_t, uint32_t>(),
            py::arg("n_readers"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("dir") = "",
@@ -159,7 +162,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // What ArenaReader.hold_slots returns: its slots are released when it dies.
   py::class_<SlotHolds, std::shared_ptr<SlotHolds>>(m, "SlotHolds");
-  py::class_<TensorArenaReader, std::shared_ptr<TensorArenaReader>>(m, "ArenaReader")
+  py::class_<TensorArenaReader, std::shared_ptr<TensorArenaReader>>(m, "TensorArenaReader")
       // Attaches reader `rank` of arena `name`; pins lazily, the whole data region at once
       // (pin_chunk_bytes 0) or in chunks of whole slots.
       .def(py::init<const std::string&, uint32_t, const std::string&, uint64_t, py::object>(),

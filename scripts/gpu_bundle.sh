@@ -9,13 +9,13 @@
 #   .whl/*.whl                 pyzmq and the pure-Python or manylinux wheels those files import
 #                              (psutil, regex, packaging, urllib3) for the host's Python
 #
-# Needs .venv-vllm (`VLLM_TEST_SETUP_ONLY=1 bash scripts/vllm_test.sh`). HOST_PY: the GPU
+# Needs .venv-vllm (`VLLM_TEST_SETUP_ONLY=1 bash e2e/vllm_test.sh`). HOST_PY: the GPU
 # host's Python version (default 3.12, the lent H200's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HOST_PY=${HOST_PY:-3.12}
 VPY=${VLLM_VENV:-.venv-vllm}/bin/python
-[ -x "$VPY" ] || { echo "gpu_bundle: $VPY missing; run VLLM_TEST_SETUP_ONLY=1 bash scripts/vllm_test.sh" >&2; exit 2; }
+[ -x "$VPY" ] || { echo "gpu_bundle: $VPY missing; run VLLM_TEST_SETUP_ONLY=1 bash e2e/vllm_test.sh" >&2; exit 2; }
 mkdir -p .whl
 
 list=$(mktemp)
@@ -24,7 +24,7 @@ trap 'rm -f "$list"' EXIT
 "$VPY" - "$list" <<'EOF'
 import os, sys
 sys.path.insert(0, "benchmarks")
-import broadcast_ab as ab
+import harness as ab
 for mode in ("vllm-oob", "vllm-arena"):
     ab.run_cell(mode, 1, 8, 2, 1, 1234)
 import vllm

@@ -1,17 +1,14 @@
-"""The arena's Python face: ``ShmTensorArena`` and the reader-side rebuild hooks.
+"""The arena's Python face: ``ShmTensorArena`` (its roles ``ShmTensorArenaWriter``, from
+``create``, and ``ShmTensorArenaReader``, from ``attach``) and the reader-side rebuild hooks.
 
 Knows no transport: a writer hands out ``(slot, generation)`` pairs, something else carries
 them, and a reader with the same arena attached turns them back into tensors.
 
 Imports nothing of this package but the extension and ``settings``; the pickler and the queue
-use a small surface of it, each part documented where it is defined:
-
-* for a transport (the queue): ``needs_flush``, ``give_back_unsent``, ``release_unacquired``,
-  ``write_blob``/``read_blob``, ``stats(holdings=False)``, and ``call_resolving_stubs(reader,
-  fn, ...)`` around each message a reader unpickles;
-* for the pickler (public by convention: underscore names, not for users): ``_write``,
-  ``_abort``, ``_new_reducer``, ``_require_writer`` (the C writer's ``send_loan`` and
-  ``count_decline``), and the module's ``_NAME_BY_DTYPE`` and ``_ARENA_REBUILD_FNS``.
+use each role's documented surface (the class docstrings say which calls), plus
+``call_resolving_stubs(reader, fn, ...)`` around each message a reader unpickles and the
+module's ``_NAME_BY_DTYPE`` (the dtypes a stub can carry). The rebuild hooks stubs name
+(``_rebuild_arena_tensor``, ``_rebuild_arena_parameter``) stay where pickles find them.
 """
 
 from __future__ import annotations
@@ -134,50 +131,55 @@ def _cuda_context() -> bool:
     return _cuda_seen
 
 
+def _other_roles_call(name: str, role: str):
+    """A method of the other role, on this one: the error says whose call it is."""
+
+    def call(self, *args, **kwargs):
+        mine = "the writer" if self.is_writer else "a reader"
+        raise RuntimeError(f"{name}() is a {role} call; this ShmTensorArena is {mine}")
+
+    call.__name__ = name
+    call.__doc__ = f"The {role}'s call (``RuntimeError`` on the other role)."
+    return call
+
+
+#: Each role's calls, which the other role answers with a clear RuntimeError.
+_WRITER_CALLS = "write write_tensor new_reducer empty give_back_unsent reclaim unlink write_blob"
+_READER_CALLS = "get_tensor rebuild_stub flush_releases needs_flush release_unacquired read_blob"
+
+
 class ShmTensorArena:
     """A shared-memory region of ``num_slots`` x ``slot_bytes`` for one writer and N readers.
 
-    The writer (``create``) copies a tensor into a free slot once; every reader (``attach``)
-    gets a zero-copy tensor over the same slot. The slot comes back when every reader's last
-    view of it has died (and, when the reader pinned the memory for CUDA, the DMA reading it
-    has completed). The writer never blocks: no free slot, too big, unsupported -> ``None``.
+    The writer (``create``, a ``ShmTensorArenaWriter``) copies a tensor into a free slot once;
+    every reader (``attach``, a ``ShmTensorArenaReader``) gets a zero-copy tensor over the same
+    slot. The slot comes back when every reader's last view of it has died (and, when the
+    reader pinned the memory for CUDA, the DMA reading it has completed). The writer never
+    blocks: no free slot, too big, unsupported -> ``None``. This class holds what both roles
+    share; each role's calls are its own class's.
     """
 
-    def __init__(
-        self, writer=None, reader=None, handle: ArenaHandle | None = None, *args, **kwargs
-    ):
-        # Use create() / attach(); this constructor wraps an already built _C object. vLLM's
-        # own arena class is called as ShmTensorArena(n_reader, slot_bytes, n_slots, name,
-        # reader_rank): those ints would land here and make an object that only fails later,
-        # far from the mistake (*args/**kwargs exist only to catch the rest of that call).
-        if not (
-            not args
-            and not kwargs
-            and (writer is None) != (reader is None)
-            and (writer is None or isinstance(writer, _C.ArenaWriter))
-            and (reader is None or isinstance(reader, _C.ArenaReader))
-            and isinstance(handle, ArenaHandle)
-        ):
-            raise TypeError(
-                "build a ShmTensorArena with ShmTensorArena.create(n_readers, num_slots, "
-                "slot_bytes, ...) (the writer) or ShmTensorArena.attach(handle, reader_rank) "
-                "(a reader); the constructor only wraps what those built (vLLM's "
-                "ShmTensorArena(n_reader, slot_bytes, n_slots) is not this signature), got "
-                f"writer={writer!r}, reader={reader!r}, handle={handle!r}"
-                + (f", then {args!r}" if args else "")
-                + (f", keywords {sorted(kwargs)}" if kwargs else "")
-            )
-        self._writer = writer
-        self._reader = reader
+    #: ``True`` for the writer's class.
+    is_writer = False
+
+    def __init__(self, *args, **kwargs):
+        # vLLM's own arena class is called as ShmTensorArena(n_reader, slot_bytes, n_slots,
+        # name, reader_rank): such a call must fail here, at the mistake.
+        raise TypeError(
+            "build a ShmTensorArena with ShmTensorArena.create(n_readers, num_slots, "
+            "slot_bytes, ...) (the writer) or ShmTensorArena.attach(handle, reader_rank) (a "
+            "reader) (vLLM's ShmTensorArena(n_reader, slot_bytes, n_slots) is not this "
+            f"signature), got {args!r}" + (f", keywords {sorted(kwargs)}" if kwargs else "")
+        )
+
+    def _init_role(self, handle: ArenaHandle) -> None:
         self._handle = handle
         self._closed = False
         self._lock = threading.Lock()
-        self._may_gate = False  # a reader handed out a pinned tensor: releases are gated
 
     # ----------------------------------------------------------------- construction
-    @classmethod
+    @staticmethod
     def create(
-        cls,
         n_readers: int,
         num_slots: int = DEFAULT_NUM_SLOTS,
         slot_bytes: int = DEFAULT_SLOT_BYTES,
@@ -186,7 +188,7 @@ class ShmTensorArena:
         arena_bytes: int = DEFAULT_ARENA_BYTES,
         max_allocations: int = DEFAULT_MAX_ALLOCATIONS,
         shm_dir: str | None = None,
-    ) -> ShmTensorArena:
+    ) -> ShmTensorArenaWriter:
         """Creates a new arena as its writer. Raises ``OSError`` if ``/dev/shm`` is too small.
 
         ``policy="fixed"``: ``num_slots`` slots of ``slot_bytes`` (vLLM's own arena's
@@ -198,7 +200,7 @@ class ShmTensorArena:
         if policy not in ("fixed", "variable"):
             raise ValueError(f"policy must be 'fixed' or 'variable', got {policy!r}")
         variable = policy == "variable"
-        w = _C.ArenaWriter(
+        w = _C.TensorArenaWriter(
             n_readers,
             num_slots,
             slot_bytes,
@@ -216,10 +218,10 @@ class ShmTensorArena:
             w.dir,
             policy,
         )
-        return cls(writer=w, handle=handle)
+        return ShmTensorArenaWriter._wrap(w, handle)
 
-    @classmethod
-    def attach(cls, handle: ArenaHandle, reader_rank: int) -> ShmTensorArena:
+    @staticmethod
+    def attach(handle: ArenaHandle, reader_rank: int) -> ShmTensorArenaReader:
         """Attaches as reader ``reader_rank`` and registers the arena in ``_TENSOR_ARENAS``."""
         if not isinstance(handle, ArenaHandle):
             raise TypeError(f"expected an ArenaHandle, got {type(handle).__name__}")
@@ -228,8 +230,8 @@ class ShmTensorArena:
         # silently and resolve stubs against the wrong geometry); checked before the rank is
         # claimed, so a refused attach leaves the rank as it was.
         expect = (handle.n_readers, handle.num_slots, handle.slot_bytes, handle.policy)
-        r = _C.ArenaReader(handle.name, reader_rank, handle.dir, pin_chunk, expect)
-        arena = cls(reader=r, handle=handle)
+        r = _C.TensorArenaReader(handle.name, reader_rank, handle.dir, pin_chunk, expect)
+        arena = ShmTensorArenaReader._wrap(r, handle)
         _TENSOR_ARENAS[handle.name] = arena
         return arena
 
@@ -238,11 +240,6 @@ class ShmTensorArena:
     def name(self) -> str:
         """The shared-memory name (also the registry key stubs carry)."""
         return self._handle.name
-
-    @property
-    def is_writer(self) -> bool:
-        """True for the arena's writer, False for a reader."""
-        return self._writer is not None
 
     @property
     def slot_bytes(self) -> int:
@@ -272,22 +269,73 @@ class ShmTensorArena:
         """A small picklable handle readers attach with."""
         return self._handle
 
-    # ----------------------------------------------------------------- writer
-    def _require_writer(self):
-        """The C writer (the pickler's surface: its ``send_loan`` and ``count_decline``);
-        ``RuntimeError`` on a reader or once closed."""
-        if self._writer is None:
-            raise RuntimeError("this ShmTensorArena is a reader; only the writer can write")
+    def stats(self, *, holdings: bool = True) -> dict:
+        """Counters. Writer: hits, bytes, declined{too_small, not_contiguous, oversize,
+        no_free_slot, no_space, unsupported, no_record}, cold/warm copies and bytes,
+        reclaimed, dead_readers, aborted, loans/loans_sent/loans_returned, in_use,
+        free_bytes/largest_free (variable layout), holdings (per reader: state, slots held,
+        age of the oldest; ``holdings=False`` leaves that walk out). Reader: held,
+        pinned_bytes, pending_releases, pin statistics, checksum_mismatches (with
+        VLLM_SHM_ARENA_DEBUG_CHECKSUM=1 on the writer: releases whose slot bytes had changed
+        since the write, e.g. an in-place write by a reader)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Writer: unlinks the name; writes are refused from now on. Reader: stubs naming it
+        no longer resolve, and the mapping goes (and the writer stops waiting for this rank)
+        once the tensors handed out are gone. Tensors already handed out stay valid either
+        way."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._close()
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+
+for _name in _WRITER_CALLS.split():
+    setattr(ShmTensorArena, _name, _other_roles_call(_name, "writer"))
+for _name in [*_READER_CALLS.split(), "hold_slots"]:
+    setattr(ShmTensorArena, _name, _other_roles_call(_name, "reader"))
+del _name
+
+
+class ShmTensorArenaWriter(ShmTensorArena):
+    """The arena's writer (``ShmTensorArena.create``).
+
+    The surface the pickler and the queue use (documented, public): ``new_reducer`` (the
+    C-level divert decision over this arena), ``give_back_unsent`` (allocations no reader can
+    ever see), ``write_blob`` (a whole message in one allocation; the extension's own call, so a
+    caller can store its result in the C call that made it: ``_C.call_store``), ``min_bytes``
+    and ``name``.
+    """
+
+    is_writer = True
+
+    @classmethod
+    def _wrap(cls, writer, handle: ArenaHandle) -> ShmTensorArenaWriter:
+        self = cls.__new__(cls)
+        self._init_role(handle)
+        self._writer = writer
+        #: ``write_blob(frames, max_bytes)``: packs a whole message's ``frames`` into one
+        #: allocation of at most ``max_bytes`` -> ``(slot, generation, nbytes)``, or ``None``
+        #: if declined (never waits). The GIL is released during the copy.
+        self.write_blob = writer.write_frames
+        return self
+
+    def _checked(self):
         if self._closed:
             raise RuntimeError(f"arena {self.name} is closed")
         return self._writer
 
-    def _write(self, tensor: torch.Tensor) -> tuple[int, int] | None:
-        """Copies ``tensor`` into a slot -> ``(slot, generation)``, or ``None`` if declined
-        (the pickler's surface: what a stub names)."""
+    def write(self, tensor: torch.Tensor) -> tuple[int, int] | None:
+        """Copies ``tensor`` into a slot -> ``(slot, generation)`` (what a stub names), or
+        ``None`` if declined (see ``write_tensor``)."""
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"write_tensor takes a torch.Tensor, got {type(tensor).__name__}")
-        return self._require_writer().write_tensor(tensor)
+        return self._checked().write_tensor(tensor)
 
     def write_tensor(self, tensor: torch.Tensor) -> int | None:
         """Copies a contiguous CPU tensor into a free slot once; returns the slot or ``None``.
@@ -296,16 +344,15 @@ class ShmTensorArena:
         conj/neg-bit tensors, tensors larger than a slot, and any write while every slot is
         held. Never blocks. The GIL is released during the copy.
         """
-        res = self._write(tensor)
+        res = self.write(tensor)
         return None if res is None else res[0]
 
-    def _new_reducer(self, min_bytes: int, diverted: list):
+    def new_reducer(self, min_bytes: int, diverted: list):
         """A C-level ``reducer_override`` that diverts tensors of at least ``min_bytes`` into
         this arena and appends each ``(slot, generation)`` it wrote to ``diverted`` (the
-        pickler's surface; the pickler pools them: building one costs about as much as
-        pickling a small message)."""
+        pickler pools them: building one costs about as much as pickling a small message)."""
         return _C.make_reducer(
-            self._require_writer(),
+            self._checked(),
             torch.Tensor,
             torch.nn.Parameter,
             _rebuild_arena_tensor,
@@ -316,8 +363,8 @@ class ShmTensorArena:
         )
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype = torch.float32):
-        """Writer: a tensor that already lives in the arena (a loan), or ``None`` if the arena
-        cannot lend that much now.
+        """A tensor that already lives in the arena (a loan), or ``None`` if the arena cannot
+        lend that much now.
 
         Fill it in place and send it: the pickler sends its stub without copying (a
         contiguous view of it works too). Rules: the first send costs no copy; a later send
@@ -326,49 +373,71 @@ class ShmTensorArena:
         see; dropping it unsent gives its space back at once; after sending, its space comes
         back once every reader and this tensor are gone.
         """
-        w = self._require_writer()
+        w = self._checked()
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         return w.empty([int(d) for d in shape], dtype)
 
-    def _abort(self, diverted: Sequence[tuple[int, int]]) -> None:
-        """Gives back slots whose stubs never left this process (the pickler's surface: a
-        failed dump)."""
-        if self._writer is None:
-            raise RuntimeError("this ShmTensorArena is a reader; only the writer can abort")
-        # Even after close(), which only unlinks the name: a send that close() interrupted
-        # must still give its slots back.
+    def give_back_unsent(self, allocations: Sequence[tuple[int, int]]) -> None:
+        """Gives back the ``(slot, generation)`` allocations of a message no reader can ever
+        see (its pickling or its send failed before anything was published, or a blob no ring
+        marker names). Works after ``close()`` too (a send that close() interrupted must still
+        give its slots back); giving one back twice is harmless."""
         w = self._writer
-        for slot, gen in diverted:
+        for slot, gen in allocations:
             w.abort(slot, gen)
 
-    # ----------------------------------------------------------------- for a transport
-    def give_back_unsent(self, allocations: Sequence[tuple[int, int]]) -> None:
-        """Writer: gives back the ``(slot, generation)`` allocations of a message no reader
-        can ever see (its send failed before anything was published, or a blob no ring
-        marker names). Works after ``close()`` too."""
-        self._abort(allocations)
+    def reclaim(self, check_liveness: bool = True) -> int:
+        """Recycles slots every reader released (and those held by dead readers)."""
+        return self._checked().reclaim(check_liveness)
 
-    def write_blob(self, frames: Sequence, max_bytes: int) -> tuple[int, int, int] | None:
-        """Writer: packs a whole message's ``frames`` into one allocation of at most
-        ``max_bytes`` -> ``(slot, generation, nbytes)``, or ``None`` if declined (never waits).
-        The GIL is released during the copy."""
-        return self._require_writer().write_frames(frames, max_bytes)
+    def unlink(self) -> None:
+        """Removes the shm name; attached readers keep working, new ones can't attach."""
+        self._checked().unlink()
 
-    def read_blob(self, slot: int, generation: int, nbytes: int) -> list:
-        """Reader: the frames of a blob ``write_blob`` packed, copied out; the blob is released
-        at once."""
-        return self._require_reader().read_frames(slot, generation, nbytes)
+    def stats(self, *, holdings: bool = True) -> dict:
+        s = self._writer.stats()
+        if holdings:
+            s["holdings"] = self._writer.holdings()
+        return s
 
-    # ----------------------------------------------------------------- reader
-    def _require_reader(self):
+    def _close(self) -> None:
+        self._writer.unlink()
+
+    def __repr__(self) -> str:
+        return f"ShmTensorArena(writer, name={self.name!r}, {self.layout})"
+
+
+class ShmTensorArenaReader(ShmTensorArena):
+    """One reader rank of an arena (``ShmTensorArena.attach``).
+
+    The surface the queue uses (documented, public): ``needs_flush``/``flush_releases``,
+    ``hold_slots`` and ``read_blob`` (the extension's own calls, so a caller can store their
+    results in the C call that made them: ``_C.call_store``), ``release_unacquired``, and
+    ``call_resolving_stubs(reader, ...)`` around each message it unpickles.
+    """
+
+    @classmethod
+    def _wrap(cls, reader, handle: ArenaHandle) -> ShmTensorArenaReader:
+        self = cls.__new__(cls)
+        self._init_role(handle)
+        self._reader = reader
+        self._rank = reader.rank
+        self._may_gate = False  # a pinned tensor was handed out: releases are gated
+        #: ``read_blob(slot, generation, nbytes)``: the frames of a blob ``write_blob`` packed,
+        #: copied out; the blob is released at once.
+        self.read_blob = reader.read_frames
+        #: ``hold_slots(pairs)``: holds a message's (slot, generation) pairs until the returned
+        #: object dies (so an unpickling cut short can run again).
+        self.hold_slots = reader.hold_slots
+        return self
+
+    def _checked(self):
         if self._reader is None:
-            if self._closed and self._writer is None:
-                raise RuntimeError(
-                    f"arena {self.name} is closed (its queue was shut down): stubs naming it "
-                    "can no longer be resolved"
-                )
-            raise RuntimeError("this ShmTensorArena is the writer; attach() a reader to read")
+            raise RuntimeError(
+                f"arena {self.name} is closed (its queue was shut down): stubs naming it can "
+                "no longer be resolved"
+            )
         return self._reader
 
     def get_tensor(
@@ -387,19 +456,24 @@ class ShmTensorArena:
         finds the DMA done. ``generation`` (from the stub) guards against stale stubs; without
         it the slot's current generation is used.
         """
-        r = self._require_reader()
+        r = self._checked()
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
-        shape = list(shape)
-        pin = self._pin_next()
         return r.get_tensor(
             int(slot_idx),
             int(generation or 0),
             int(nbytes),
             dtype,
-            shape,
-            pin,
+            list(shape),
+            self._pin_next(),
             int(offset),
+        )
+
+    def rebuild_stub(self, slot_idx, generation, nbytes, dtype_str, shape, offset=0):
+        """The tensor a stub names (its fields come from a message: the extension checks each
+        one, ``ValueError``/``IndexError`` naming it, before use)."""
+        return self._checked().rebuild(
+            slot_idx, generation, nbytes, dtype_str, shape, offset, self._pin_next()
         )
 
     def _pin_next(self) -> bool:
@@ -416,7 +490,7 @@ class ShmTensorArena:
         Records a CUDA event on ``stream`` (default: the current stream) for slots freed since
         the last call; non-blocking. Returns how many slots went back to the writer.
         """
-        r = self._require_reader()
+        r = self._checked()
         if not self._may_gate:
             return 0  # nothing was ever pinned: every release already happened at free
         handle = 0
@@ -428,66 +502,30 @@ class ShmTensorArena:
 
     @property
     def needs_flush(self) -> bool:
-        """Reader: whether ``flush_releases`` has anything to do (a pinned tensor was handed
-        out, so releases wait for their CUDA events); a transport calls it before each read."""
+        """Whether ``flush_releases`` has anything to do (a pinned tensor was handed out, so
+        releases wait for their CUDA events); a transport calls it before each read."""
         return self._may_gate
 
     def release_unacquired(self, slot: int, generation: int) -> None:
-        """Reader: releases a slot a message named but this reader never turned into a
-        tensor (the message failed to unpickle), so the writer is not kept waiting for it."""
-        self._require_reader().release_unacquired(slot, generation)
+        """Releases a slot a message named but this reader never turned into a tensor (the
+        message failed to unpickle), so the writer is not kept waiting for it."""
+        self._checked().release_unacquired(slot, generation)
 
-    # ----------------------------------------------------------------- both
     def stats(self, *, holdings: bool = True) -> dict:
-        """Counters. Writer: hits, bytes, declined{too_small, not_contiguous, oversize,
-        no_free_slot, no_space, unsupported, no_record}, cold/warm copies and bytes,
-        reclaimed, dead_readers, aborted, loans/loans_sent/loans_returned, in_use,
-        free_bytes/largest_free (variable layout), holdings (per reader: state, slots held,
-        age of the oldest; ``holdings=False`` leaves that walk out). Reader: held,
-        pinned_bytes, pending_releases, pin statistics, checksum_mismatches (with
-        VLLM_SHM_ARENA_DEBUG_CHECKSUM=1 on the writer: releases whose slot bytes had changed
-        since the write, e.g. an in-place write by a reader)."""
-        if self._writer is not None:
-            s = self._writer.stats()
-            if holdings:
-                s["holdings"] = self._writer.holdings()
-            return s
         if self._reader is None:  # closed: the totals at close
             return dict(self._final_stats)
         return self._reader.stats()
 
-    def reclaim(self, check_liveness: bool = True) -> int:
-        """Writer: recycles slots every reader released (and those held by dead readers)."""
-        return self._require_writer().reclaim(check_liveness)
-
-    def unlink(self) -> None:
-        """Writer: removes the shm name; attached readers keep working, new ones can't attach."""
-        self._require_writer().unlink()
-
-    def close(self) -> None:
-        """Writer: unlinks the name; writes are refused from now on. Reader: stubs naming it
-        no longer resolve, and the mapping goes (and the writer stops waiting for this rank)
-        once the tensors handed out are gone. Tensors already handed out stay valid either
-        way."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        if self._writer is not None:
-            self._writer.unlink()
-        else:
-            if _TENSOR_ARENAS.get(self.name) is self:
-                del _TENSOR_ARENAS[self.name]
-            # Tensors handed out hold the mapping (and its pinning) themselves; without this
-            # reference it goes as soon as the last of them does.
-            self._final_stats = self._reader.stats()
-            self._rank = self._reader.rank
-            self._reader = None
+    def _close(self) -> None:
+        if _TENSOR_ARENAS.get(self.name) is self:
+            del _TENSOR_ARENAS[self.name]
+        # Tensors handed out hold the mapping (and its pinning) themselves; without this
+        # reference it goes as soon as the last of them does.
+        self._final_stats = self._reader.stats()
+        self._reader = None
 
     def __repr__(self) -> str:
-        rank = self._reader.rank if self._reader is not None else getattr(self, "_rank", "?")
-        role = "writer" if self.is_writer else f"reader{rank}"
-        return f"ShmTensorArena({role}, name={self.name!r}, {self.layout})"
+        return f"ShmTensorArena(reader{self._rank}, name={self.name!r}, {self.layout})"
 
 
 class resolving_stubs:
@@ -539,20 +577,10 @@ def _rebuild_arena_tensor(arena_name, slot_idx, generation, nbytes, dtype_str, s
     """Unpickles an arena stub into a zero-copy tensor over the slot (``offset`` bytes into
     it, for a view of a loaned tensor). The stub's fields come from the message: the reader's
     ``rebuild`` (C++) checks each one (``ValueError``/``IndexError`` naming it) before use."""
-    arena = _lookup(arena_name)
-    r = arena._require_reader()
-    return r.rebuild(slot_idx, generation, nbytes, dtype_str, shape, offset, arena._pin_next())
+    return _lookup(arena_name).rebuild_stub(slot_idx, generation, nbytes, dtype_str, shape, offset)
 
 
 def _rebuild_arena_parameter(arena_name, slot_idx, generation, nbytes, dtype_str, shape, offset=0):
     """Like _rebuild_arena_tensor, wrapped in a Parameter sharing its storage."""
     t = _rebuild_arena_tensor(arena_name, slot_idx, generation, nbytes, dtype_str, shape, offset)
     return torch.nn.Parameter(t, requires_grad=False)
-
-
-#: The exact types the arena diverts; any other Tensor subclass keeps its identity through
-#: the ordinary reduction (the pickler's surface: the rebuild hook each stub names).
-_ARENA_REBUILD_FNS = {
-    torch.Tensor: _rebuild_arena_tensor,
-    torch.nn.Parameter: _rebuild_arena_parameter,
-}

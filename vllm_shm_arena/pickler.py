@@ -137,7 +137,7 @@ class _Pools:
                 entry[1].clear()
                 return entry
         diverted: list = []
-        return (arena._new_reducer(min_bytes, diverted), diverted, min_bytes)
+        return (arena.new_reducer(min_bytes, diverted), diverted, min_bytes)
 
     def give_back_reducer(self, arena: ShmTensorArena, entry) -> None:
         if entry[2] == arena.min_bytes and len(self._reducers) < _POOL_SIZE:
@@ -242,7 +242,7 @@ def dump_message(obj: Any, arena: ShmTensorArena | None = None, into: list | Non
             into.extend(p.diverted)
         out = Dumped(bio.getvalue(), list(bufs), list(p.diverted))
     except BaseException:
-        arena._abort(p.diverted)
+        arena.give_back_unsent(p.diverted)
         p.release()  # a pickler that raised mid-dump is not reused
         raise
     bio.seek(0)

@@ -51,9 +51,9 @@ reads as "no plugin".
 * ``VLLM_SHM_ARENA_TCP_SECURITY``: what a queue's TCP socket guarantees beyond both ends proving
   the queue's secret (always): ``authenticated`` (messages in the clear, every frame a reader
   acts on carries a MAC) or ``encrypted`` (CurveZMQ: confidentiality too, at a cost in
-  throughput; docs in the README). Readers follow the writer's choice (it travels in the
-  handle). Default: ``authenticated``. Valid: ``authenticated`` or ``encrypted``. Read per queue
-  created with remote readers (mq/writer.py).
+  throughput; docs/safety.md). Readers follow the writer's choice (it travels in the handle).
+  Default: ``authenticated``. Valid: ``authenticated`` or ``encrypted``. Read per queue created
+  with remote readers (mq/writer.py).
 * ``VLLM_RINGBUFFER_WARNING_INTERVAL``: vLLM's: how often a reader waiting for a message logs
   that it is still waiting (vLLM's module constant wins when vLLM is loaded). Default: ``60``.
   Valid: a number of seconds >= 0. Read at import (mq/reader.py).
@@ -74,7 +74,7 @@ Read by the extension (C++), not here: ``VLLM_SHM_ARENA_SHM_DIR`` (the shared-me
 directory, default ``/dev/shm``) and ``VLLM_SHM_ARENA_CUDART`` (the path of the CUDA runtime
 library to use when the one torch loaded is not found).
 
-``table()`` renders the same list as a Markdown table (the README includes it).
+``table()`` renders the same list as a Markdown table (docs/configuration.md includes it).
 """
 
 from __future__ import annotations
@@ -279,8 +279,8 @@ VARIABLES: tuple[Variable, ...] = (
         "`authenticated` or `encrypted`",
         "what a queue's TCP socket guarantees beyond both ends proving the queue's secret "
         "(always): `authenticated` (messages in the clear, every frame a reader acts on carries "
-        "a MAC) or `encrypted` (CurveZMQ: confidentiality too, at a cost in throughput; docs in "
-        "the README). Readers follow the writer's choice (it travels in the handle)",
+        "a MAC) or `encrypted` (CurveZMQ: confidentiality too, at a cost in throughput; "
+        "docs/safety.md). Readers follow the writer's choice (it travels in the handle)",
         "per queue created with remote readers (mq/writer.py)",
         _choice("authenticated", "encrypted"),
         unset="authenticated",
@@ -389,7 +389,7 @@ def listing(width: int = 96) -> str:
 
 
 def table() -> str:
-    """The variables as a Markdown table (the module docstring's, the README's)."""
+    """The variables as a Markdown table (docs/configuration.md's)."""
     rows = [
         "| variable | default | valid values | meaning | read |",
         "|---|---|---|---|---|",

@@ -85,8 +85,9 @@ class ShmArenaMessageQueue(metaclass=_FactoryMeta):
     """Installed as ``multiproc_executor.MessageQueue``: builds our queue or vLLM's.
 
     Takes vLLM's ``MessageQueue`` constructor signature. Ours when
-    ``enable_shm_tensor_arena`` is set and every reader is node-local; vLLM's own class,
-    with the same arguments, otherwise.
+    ``enable_shm_tensor_arena`` is set and either every reader is node-local or the remote
+    readers form a layout our join serves (``_remote_layout``, with the join installed); vLLM's
+    own class, with the same arguments, otherwise.
     """
 
     #: vLLM's ``MessageQueue`` and ``Handle`` (set by ``register()``).

@@ -110,11 +110,11 @@ py::list frames_as_bytearrays(const FrameSpans& spans) {
   return out;
 }
 
-/// _C.RingWriter: the writer end of a ring in its own shm segment (core MessageRingWriter).
-class PyRingWriter {
+/// _C.MessageRingWriter: the writer end of a ring in its own shm segment (core MessageRingWriter).
+class PyMessageRingWriter {
  public:
-  PyRingWriter(uint32_t n_readers, uint32_t max_chunks, uint64_t max_chunk_bytes,
-               const std::string& dir)
+  PyMessageRingWriter(uint32_t n_readers, uint32_t max_chunks, uint64_t max_chunk_bytes,
+                      const std::string& dir)
       : core_(MessageRingWriter::create(n_readers, max_chunks, max_chunk_bytes,
                                         dir.empty() ? ShmRegion::default_dir() : dir)) {}
 
@@ -175,11 +175,11 @@ class PyRingWriter {
   std::unique_ptr<MessageRingWriter> core_;
 };
 
-/// _C.RingReader: copies each message's frames out of the chunk and releases it at once, so a
-/// message may be kept for as long as the caller likes.
-class PyRingReader {
+/// _C.MessageRingReader: copies each message's frames out of the chunk and releases it at once, so
+/// a message may be kept for as long as the caller likes.
+class PyMessageRingReader {
  public:
-  PyRingReader(const std::string& name, uint32_t rank, const std::string& dir)
+  PyMessageRingReader(const std::string& name, uint32_t rank, const std::string& dir)
       : core_(MessageRingReader::attach(name, rank, dir.empty() ? ShmRegion::default_dir() : dir)) {
   }
 
@@ -298,45 +298,47 @@ py::list arena_read_frames(ArenaReader& reader, uint32_t slot, uint64_t generati
 }
 
 void bind_messages(py::module_& m) {
-  py::class_<PyRingWriter, std::shared_ptr<PyRingWriter>>(m, "RingWriter")
+  py::class_<PyMessageRingWriter, std::shared_ptr<PyMessageRingWriter>>(m, "MessageRingWriter")
       // Creates the ring's shm region: n_readers x max_chunks x max_chunk_bytes.
       .def(py::init<uint32_t, uint32_t, uint64_t, const std::string&>(), py::arg("n_readers"),
            py::arg("max_chunks"), py::arg("max_chunk_bytes"), py::arg("dir") = "")
       // Packs frames into the next chunk -> "ok" | "timeout" | "no_space".
-      .def("write", &PyRingWriter::write, py::arg("frames"), py::arg("flags"), py::arg("timeout_s"))
+      .def("write", &PyMessageRingWriter::write, py::arg("frames"), py::arg("flags"),
+           py::arg("timeout_s"))
       // Publishes an empty chunk carrying only flags (message on the socket).
-      .def("write_marker", &PyRingWriter::write_marker, py::arg("flags"), py::arg("timeout_s"))
+      .def("write_marker", &PyMessageRingWriter::write_marker, py::arg("flags"),
+           py::arg("timeout_s"))
       // Waits for the next chunk and holds it for the next write (True), or times out (False).
-      .def("reserve", &PyRingWriter::reserve, py::arg("timeout_s"))
+      .def("reserve", &PyMessageRingWriter::reserve, py::arg("timeout_s"))
       // Bytes a message with these frame sizes takes in a chunk.
-      .def_static("packed_bytes", &PyRingWriter::packed_bytes)
+      .def_static("packed_bytes", &PyMessageRingWriter::packed_bytes)
       // Wakes every blocked reader, which then sees "shutdown".
-      .def("shutdown", &PyRingWriter::shutdown)
-      .def("unlink", &PyRingWriter::unlink)
-      .def("dropped_readers", &PyRingWriter::dropped_readers)
+      .def("shutdown", &PyMessageRingWriter::shutdown)
+      .def("unlink", &PyMessageRingWriter::unlink)
+      .def("dropped_readers", &PyMessageRingWriter::dropped_readers)
       // Liveness probes of lagging readers the kernel did not answer (kept as alive).
-      .def("liveness_unknown", &PyRingWriter::liveness_unknown)
-      .def("published", &PyRingWriter::published)
-      .def_property_readonly("name", &PyRingWriter::name)
-      .def_property_readonly("dir", &PyRingWriter::dir);
+      .def("liveness_unknown", &PyMessageRingWriter::liveness_unknown)
+      .def("published", &PyMessageRingWriter::published)
+      .def_property_readonly("name", &PyMessageRingWriter::name)
+      .def_property_readonly("dir", &PyMessageRingWriter::dir);
   m.attr("RING_FLAG_OVERFLOW") = kRingFlagOverflow;
   m.attr("RING_FLAG_NO_SPACE") = kRingFlagNoSpace;
   // With RING_FLAG_OVERFLOW: the message is an arena blob the marker's frames name (not on
   // the socket).
   m.attr("RING_FLAG_BLOB") = kRingFlagBlob;
 
-  py::class_<PyRingReader, std::shared_ptr<PyRingReader>>(m, "RingReader")
+  py::class_<PyMessageRingReader, std::shared_ptr<PyMessageRingReader>>(m, "MessageRingReader")
       // Attaches reader `rank` of ring `name`.
       .def(py::init<const std::string&, uint32_t, const std::string&>(), py::arg("name"),
            py::arg("rank"), py::arg("dir") = "")
       // Next message -> (status, flags, frames as bytearrays), chunk released at once.
-      .def("read", &PyRingReader::read, py::arg("timeout_s"))
+      .def("read", &PyMessageRingReader::read, py::arg("timeout_s"))
       // Next message appended to sink as {"seq", "flags", "frames"} -> status ("ok", ...).
-      .def("read_into", &PyRingReader::read_into, py::arg("timeout_s"), py::arg("sink"))
-      .def("consumed", &PyRingReader::consumed)
+      .def("read_into", &PyMessageRingReader::read_into, py::arg("timeout_s"), py::arg("sink"))
+      .def("consumed", &PyMessageRingReader::consumed)
       // "alive" | "dead" | "unknown": the ring writer's liveness token.
-      .def("writer_liveness", &PyRingReader::writer_liveness)
-      .def_property_readonly("rank", &PyRingReader::rank);
+      .def("writer_liveness", &PyMessageRingReader::writer_liveness)
+      .def_property_readonly("rank", &PyMessageRingReader::rank);
 }
 
 }  // namespace vllm_shm_arena

@@ -1,4 +1,4 @@
-"""Process entry points and message builders for test_message_queue.py.
+"""Process entry points and message builders for the queue's tests (mq/).
 
 Reader entry points live here, at module level in an importable module, because a
 ``spawn``-started child unpickles its target by module path. The file also runs as a script
@@ -38,6 +38,19 @@ MiB = 1 << 20
 VIEW_DTYPES = ["int32", "float32", "bfloat16", "uint8", "int64", "float16"]
 #: Stride of the checked subset (a prime, so it walks across every alignment).
 _STRIDE = 4099
+
+
+def wait_until(condition, timeout: float, what: str):
+    """Polls ``condition()`` every 10 ms until it returns something truthy, and returns that;
+    an AssertionError naming ``what`` after ``timeout`` seconds. For conditions nothing
+    signals (kernel counters, another process's files)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = condition()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.01)
 
 
 # ------------------------------------------------------------------------ messages
@@ -395,9 +408,16 @@ def boom_reader(handle, rank, seed, rounds, q):
         q.put(("error", f"{type(e).__name__}: {e}"))
 
 
-def dequeue_in_thread(r):
-    """Starts ``r.dequeue()`` (no timeout) in a daemon thread -> (thread, out); when the call
-    ends, ``out["result"]`` is "returned" or the exception it raised."""
+def inside_a_call(q) -> bool:
+    """Whether a thread is inside one of queue end ``q``'s calls now (it holds the end's call
+    lock from the call's start to its return)."""
+    return q._end.lifecycle.call_lock.locked()
+
+
+def dequeue_in_thread(r, timeout: float = 10.0):
+    """Starts ``r.dequeue()`` (no timeout) in a daemon thread and returns (thread, out) once
+    the thread is inside the call; when the call ends, ``out["result"]`` is "returned" or the
+    exception it raised."""
     out = {}
 
     def run():
@@ -409,6 +429,7 @@ def dequeue_in_thread(r):
 
     th = threading.Thread(target=run, daemon=True)
     th.start()
+    wait_until(lambda: inside_a_call(r) or "result" in out, timeout, "dequeue() to start")
     return th, out
 
 

@@ -1,4 +1,4 @@
-"""Process entry points and measurements for test_multinode.py (and the multi-node benchmark).
+"""Process entry points for mq/test_relay.py: readers, relays and a dying writer.
 
 Every reader here reads ``n`` messages built by ``mq_helpers.make_msg`` and checks each (in
 order: message ``seq`` carries its own key), notes the most arena tensors it held at once
@@ -9,26 +9,23 @@ node's arena), then keeps reading until the queue ends and reports how it ended.
 from __future__ import annotations
 
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mq_helpers as H  # noqa: E402
+import torch
 
 from vllm_shm_arena import MessageQueue  # noqa: E402
 
 MiB = H.MiB
 
 
-def read_and_report(r, name, seed, n, q, end_timeout=60.0, first_timeout=60.0, slow_s=0.0):
-    """Reads ``n`` checked messages from ``r``, then one more dequeue to see how it ends;
-    reports ``{name, count, errors, held, end, stats}``."""
+def read_and_report(
+    r, name, seed, n, q, end_timeout=60.0, first_timeout=60.0, slow_s=0.0, got_all=None
+):
+    """Reads ``n`` checked messages from ``r`` (then sets the event ``got_all``, if given),
+    then one more dequeue to see how it ends; reports ``{name, count, errors, held, end,
+    stats}``."""
     errors, count, held, end = [], 0, 0, None
     keep = None
     try:
@@ -45,6 +42,8 @@ def read_and_report(r, name, seed, n, q, end_timeout=60.0, first_timeout=60.0, s
             if slow_s:
                 time.sleep(slow_s)
         del keep
+        if got_all is not None:
+            got_all.set()
         try:
             r.dequeue(timeout=end_timeout)
             end = "another message"
@@ -76,10 +75,10 @@ def _report_failure(q, name, e: BaseException) -> None:
     )
 
 
-def relay_node(handle, rank, relayed, seed, n, q, hq, go, end_timeout=60.0):
+def relay_node(handle, rank, relayed, seed, n, q, hq, go, end_timeout=60.0, got_all=None):
     """A remote node's relay: hands its downstream handle out on ``hq`` (once per relayed
-    rank), reads as its node's worker, reports, then stays (its readers need it) until
-    ``go`` is set."""
+    rank), reads as its node's worker (``got_all``: see ``read_and_report``), reports, then
+    stays (its readers need it) until ``go`` is set."""
     torch.set_num_threads(1)
     try:
         relay = MessageQueue.create_relay(handle, rank, relayed)
@@ -93,7 +92,7 @@ def relay_node(handle, rank, relayed, seed, n, q, hq, go, end_timeout=60.0):
     except BaseException as e:
         _report_failure(q, f"relay{rank}", e)
         return
-    read_and_report(relay, f"relay{rank}", seed, n, q, end_timeout)
+    read_and_report(relay, f"relay{rank}", seed, n, q, end_timeout, got_all=got_all)
     go.wait(120)
     relay.shutdown()
 
@@ -123,8 +122,8 @@ def plain_reader(handle, rank, seed, n, q, end_timeout=60.0):
 
 
 def dying_writer(n_reader, sizes, seed, hq, go):
-    """A writer (every reader remote, on 127.0.0.1) that sends ``sizes``, lets the frames
-    reach the kernel, then kills itself."""
+    """A writer (every reader remote, on 127.0.0.1) that sends ``sizes``, then kills itself
+    once ``go`` is set (by a test that knows its readers have them all)."""
     torch.set_num_threads(1)
     mq = MessageQueue(n_reader, 0, connect_ip="127.0.0.1", enable_shm_tensor_arena=True)
     hq.put(mq.export_handle())
@@ -132,29 +131,4 @@ def dying_writer(n_reader, sizes, seed, hq, go):
     for seq, nbytes in enumerate(sizes):
         mq.enqueue(H.make_msg(seed, seq, nbytes), timeout=60)
     go.wait(60)
-    time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-_BYTES = re.compile(r"bytes_acked:(\d+)")
-
-
-def tcp_bytes_from_port(port: int) -> int | None:
-    """Bytes the kernel delivered (acked) on the established TCP connections from local port
-    ``port`` (``ss -ti``); None where ``ss`` does not say."""
-    try:
-        out = subprocess.run(
-            ["ss", "-tinH", "state", "established", f"( sport = :{port} )"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    found = _BYTES.findall(out)
-    return sum(int(x) for x in found) if found else None
-
-
-def port_of(addr: str) -> int:
-    """The port of a ``tcp://host:port`` address."""
-    return int(addr.rsplit(":", 1)[1])

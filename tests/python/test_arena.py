@@ -19,7 +19,7 @@ from vllm_shm_arena import _TENSOR_ARENAS, ShmTensorArena, dumps, loads
 
 
 def _write_read(a, t: torch.Tensor) -> torch.Tensor:
-    res = a.writer._write(t)
+    res = a.writer.write(t)
     assert res is not None, a.writer.stats()
     slot, gen = res
     return a.reader.get_tensor(slot, t.numel() * t.element_size(), t.dtype, t.shape, gen)
@@ -52,7 +52,7 @@ def test_write_get_empty(arena, same_bytes, shape):
 def test_get_tensor_is_zero_copy(arena, rand):
     """Two readers' views of one stub share the slot's memory: no copy on the read side."""
     t = rand((1 << 20,), torch.float32)
-    slot, gen = arena.writer._write(t)
+    slot, gen = arena.writer.write(t)
     a = arena.reader.get_tensor(slot, t.nbytes, t.dtype, t.shape, gen)
     b = arena.reader.get_tensor(slot, t.nbytes, t.dtype, t.shape, gen)
     assert a.data_ptr() == b.data_ptr()
@@ -68,7 +68,7 @@ def test_write_tensor_returns_slot_index(arena, rand):
 def test_two_readers_both_must_release(make_arena, rand, same_bytes):
     a = make_arena(n_readers=2, num_slots=1, slot_bytes=4 << 20)
     t = rand((1 << 18,), torch.float32)
-    slot, gen = a.writer._write(t)
+    slot, gen = a.writer.write(t)
     views = [r.get_tensor(slot, t.nbytes, t.dtype, t.shape, gen) for r in a.readers]
     for v in views:
         same_bytes(v, t)
@@ -227,7 +227,7 @@ def test_registry_drops_unheld_reader_tensor_stays_valid(make_arena, rand, same_
     r = ShmTensorArena.attach(a.writer.handle(), 0)
     assert _TENSOR_ARENAS.get(a.writer.name) is r
     t = rand((1 << 18,), torch.bfloat16)
-    slot, gen = a.writer._write(t)
+    slot, gen = a.writer.write(t)
     got = r.get_tensor(slot, t.nbytes, t.dtype, t.shape, gen)
     del r
     gc.collect()
@@ -306,7 +306,7 @@ def test_debug_checksum_counts_in_place_writes(monkeypatch):
     w = ShmTensorArena.create(2, num_slots=2, slot_bytes=1 << 20)
     r0, r1 = ShmTensorArena.attach(w.handle(), 0), ShmTensorArena.attach(w.handle(), 1)
     try:
-        slot, gen = w._write(torch.zeros(1 << 18, dtype=torch.float32))
+        slot, gen = w.write(torch.zeros(1 << 18, dtype=torch.float32))
         a = r0.get_tensor(slot, 1 << 20, torch.float32, (1 << 18,), generation=gen)
         b = r1.get_tensor(slot, 1 << 20, torch.float32, (1 << 18,), generation=gen)
         b[7] = 1.0  # documented: visible to every reader; debug mode counts it

@@ -65,7 +65,7 @@ def test_only_a_reader_arena_can_resolve_stubs(arena):
 # ------------------------------------------------------------------ for a transport
 def test_an_unsent_messages_allocations_go_back_even_after_close(arena, rand):
     t = rand((3 << 20,), torch.float32)
-    slot, gen = arena.writer._write(t)
+    slot, gen = arena.writer.write(t)
     assert arena.writer.stats()["in_use"] == 1
     arena.writer.close()
     arena.writer.give_back_unsent([(slot, gen)])

@@ -22,7 +22,7 @@ from vllm_shm_arena import (
 
 w = ShmTensorArena.create(1, 2, 4 << 20)
 r = ShmTensorArena.attach(w.handle(), 0)
-slot, gen = w._write(torch.arange(1024, dtype=torch.float32))
+slot, gen = w.write(torch.arange(1024, dtype=torch.float32))
 N = w.name
 OK = (N, slot, gen, 4096, "float32", (1024,))
 
@@ -47,7 +47,7 @@ def gced():
     w3 = ShmTensorArena.create(1, 1, 1 << 20)
     try:
         r3 = ShmTensorArena.attach(w3.handle(), 0)
-        s3, g3 = w3._write(torch.ones(4))
+        s3, g3 = w3.write(torch.ones(4))
         name = w3.name
         del r3
         gc.collect()
@@ -255,9 +255,9 @@ def test_a_corrupt_blob_gives_a_typed_error_and_is_released(make_arena, corrupt)
     a = make_arena(n_readers=2, num_slots=2, slot_bytes=1 << 20)
     w, r, other = a.writer, a.readers[0], a.readers[1]
     frames = [b"head", b"x" * 1000]
-    slot, gen, nbytes = w._writer.write_frames(frames, 1 << 20)
-    assert [bytes(f) for f in r._reader.read_frames(slot, gen, nbytes)] == frames
-    slot, gen, nbytes = w._writer.write_frames(frames, 1 << 20)
+    slot, gen, nbytes = w.write_blob(frames, 1 << 20)
+    assert [bytes(f) for f in r.read_blob(slot, gen, nbytes)] == frames
+    slot, gen, nbytes = w.write_blob(frames, 1 << 20)
     view = other.get_tensor(slot, nbytes, torch.uint8, [nbytes], generation=gen)
     raw = view.numpy()
     if corrupt == "count":
@@ -268,6 +268,6 @@ def test_a_corrupt_blob_gives_a_typed_error_and_is_released(make_arena, corrupt)
     gc.collect()
     with pytest.raises(ValueError, match="corrupt|overruns|short"):
         # "short": the stub claims fewer bytes than the framing needs.
-        r._reader.read_frames(slot, gen, 3 if corrupt == "short" else nbytes)
+        r.read_blob(slot, gen, 3 if corrupt == "short" else nbytes)
     assert r.stats()["held"] == 0
-    assert w._writer.write_frames([b"too big"], 4) is None  # over max_bytes: declined
+    assert w.write_blob([b"too big"], 4) is None  # over max_bytes: declined

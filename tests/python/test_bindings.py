@@ -1,12 +1,12 @@
 """The bindings' handling of Python buffers, and the copy pool's knobs (csrc/torch_bindings.cpp,
 csrc/bindings/message_bindings.cpp).
 
-* ``RingWriter.write`` takes only C-contiguous frames: a strided view's ``buf``/``len`` name
+* ``MessageRingWriter.write`` takes only C-contiguous frames: a strided view's ``buf``/``len`` name
   other bytes than the frame's (a reversed view's ``buf`` is its last element).
 * ``tensor_from_buffer`` aliases writable buffers (ZeroMQ frames, bytearrays) and copies
   read-only ones (``bytes``) once, so an in-place op never mutates an immutable object.
 * ``set_copy_readers``: the queue's writer leaves its local readers their CPUs.
-* ``ArenaReader`` offers no early detach: a live tensor's record is never recycled.
+* ``TensorArenaReader`` offers no early detach: a live tensor's record is never recycled.
 
 Every shared-memory name lives in the test's private directory.
 """
@@ -29,8 +29,8 @@ from vllm_shm_arena.pickler import dumps, loads
 @pytest.fixture
 def ring(tmp_path):
     """A ring writer with one attached reader, in a private shm directory."""
-    w = _C.RingWriter(1, 4, 1 << 16, str(tmp_path))
-    r = _C.RingReader(w.name, 0, str(tmp_path))
+    w = _C.MessageRingWriter(1, 4, 1 << 16, str(tmp_path))
+    r = _C.MessageRingReader(w.name, 0, str(tmp_path))
     yield w, r
     w.unlink()
 
@@ -204,7 +204,7 @@ def test_no_python_call_lets_the_writer_recycle_a_live_tensors_slot(make_arena, 
     a = make_arena(num_slots=1, slot_bytes=1 << 20, attach=False)
     r = ShmTensorArena.attach(a.writer.handle(), 0)
     t = rand((1 << 18,), torch.int32)
-    slot, gen = a.writer._write(t)
+    slot, gen = a.writer.write(t)
     got = r.get_tensor(slot, t.nbytes, t.dtype, t.shape, gen)
     detach = getattr(r._reader, "detach", None)
     if detach is not None:
@@ -226,7 +226,7 @@ def test_decline_reasons_are_the_writer_stats_keys_in_enum_order(tmp_path):
     names = _C.DECLINE_REASONS
     assert isinstance(names, tuple) and len(names) == len(set(names))
     assert names[:3] == ("too_small", "not_contiguous", "oversize") and "no_record" in names
-    w = _C.ArenaWriter(1, 2, 1 << 16, str(tmp_path))
+    w = _C.TensorArenaWriter(1, 2, 1 << 16, str(tmp_path))
     try:
         assert list(w.stats()["declined"]) == list(names)
         for i, name in enumerate(names):

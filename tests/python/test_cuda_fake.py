@@ -61,7 +61,7 @@ def _pair(num_slots=2):
 
 def _get(w, r, value=7):
     t = torch.full((SLOT,), value, dtype=torch.uint8)
-    slot, gen = w._write(t)
+    slot, gen = w.write(t)
     return r.get_tensor(slot, SLOT, torch.uint8, (SLOT,), generation=gen)
 
 
@@ -119,14 +119,14 @@ def test_a_pinned_release_never_loses_a_large_generation(fake, context):
     _set_next_generation(w, (1 << 44) - 1)
     w.unlink()
     t = torch.full((SLOT,), 3, dtype=torch.uint8)
-    slot, gen = w._write(t)
+    slot, gen = w.write(t)
     assert gen == 1  # from the writer's private counter, not the rewritten shared one
     got = r.get_tensor(slot, SLOT, torch.uint8, (SLOT,), generation=gen)
     assert r.stats()["pinned_bytes"] > 0  # its release goes through the gate
     del got
     fake.fake_cudart_complete_all()
     assert r.flush_releases(STREAM) == 1
-    res = w._write(t)
+    res = w.write(t)
     assert res is not None, "the slot did not come back"
     slot, gen = res
     with pytest.raises(ValueError, match="generation"):
@@ -136,7 +136,7 @@ def test_a_pinned_release_never_loses_a_large_generation(fake, context):
     del got
     fake.fake_cudart_complete_all()
     assert r.flush_releases(STREAM) == 1
-    assert w._write(t) is not None, "a refused stub cost the slot"
+    assert w.write(t) is not None, "a refused stub cost the slot"
 
 
 def test_views_keep_the_slot_until_the_last_dies(fake, context):
@@ -234,7 +234,7 @@ def test_pinning_on_a_full_shm_dir_fails_cleanly_and_stays_unpinned(fake, contex
         w = ShmTensorArena.create(1, num_slots=2, slot_bytes=SLOT, shm_dir=str(mnt))
         r = ShmTensorArena.attach(w.handle(), 0)
         src = torch.full((SLOT,), 5, dtype=torch.uint8)
-        slot, gen = w._write(src)  # backs slot 0 only
+        slot, gen = w.write(src)  # backs slot 0 only
         with open(mnt / "filler", "wb") as f:  # someone else fills the rest
             try:
                 os.posix_fallocate(f.fileno(), 0, 16 << 20)

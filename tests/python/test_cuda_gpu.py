@@ -37,7 +37,7 @@ def _pair(num_slots=1):
 
 def test_arena_tensors_are_pinned():
     w, r = _pair(num_slots=2)
-    slot, gen = w._write(torch.ones(SIZE, dtype=torch.uint8))
+    slot, gen = w.write(torch.ones(SIZE, dtype=torch.uint8))
     t = r.get_tensor(slot, SIZE, torch.uint8, (SIZE,), generation=gen)
     assert t.is_pinned()
     assert r.stats()["pinned_bytes"] >= SIZE
@@ -63,7 +63,7 @@ def test_overwrite_before_dma_is_detectable():
 
 def test_slot_is_not_reused_while_its_dma_runs():
     w, r = _pair(num_slots=1)
-    slot, gen = w._write(_expected_a())
+    slot, gen = w.write(_expected_a())
     t = r.get_tensor(slot, SIZE, torch.uint8, (SIZE,), generation=gen)
     torch.cuda._sleep(STALL_CYCLES)  # the H2D below starts only after this kernel
     g = t.to("cuda", non_blocking=True)

@@ -64,7 +64,7 @@ def child(i):
     inside = threading.Event()
     wake = nogil_call = None
     if SCENARIO == "write_tensor":
-        w = _C.ArenaWriter(1, 2, 8 << 20, d, 0, 1024)
+        w = _C.TensorArenaWriter(1, 2, 8 << 20, d, 0, 1024)
         t = torch.ones(2 << 20)  # 8 MiB
 
         def loop():
@@ -74,8 +74,8 @@ def child(i):
                     w.abort(*s)
                 inside.set()
     elif SCENARIO == "ring_read":
-        rw = _C.RingWriter(1, 4, 1 << 20, d)
-        rr = _C.RingReader(rw.name, 0, d)
+        rw = _C.MessageRingWriter(1, 4, 1 << 20, d)
+        rr = _C.MessageRingReader(rw.name, 0, d)
 
         def loop():
             while True:
@@ -84,8 +84,8 @@ def child(i):
 
         wake = rw.shutdown
     elif SCENARIO == "flush_releases":
-        w = _C.ArenaWriter(1, 2, 1 << 20, d, 0, 1024)
-        r = _C.ArenaReader(w.name, 0, d, 0, None)
+        w = _C.TensorArenaWriter(1, 2, 1 << 20, d, 0, 1024)
+        r = _C.TensorArenaReader(w.name, 0, d, 0, None)
 
         def loop():
             while True:
@@ -102,8 +102,8 @@ def child(i):
         # No thread: the finalizing thread itself makes GIL-released calls (it must not be
         # treated as a thread to stop).
         src, dst = torch.ones(1 << 20), torch.empty(1 << 20)
-        rw = _C.RingWriter(1, 4, 1 << 20, d)
-        rr = _C.RingReader(rw.name, 0, d)
+        rw = _C.MessageRingWriter(1, 4, 1 << 20, d)
+        rr = _C.MessageRingReader(rw.name, 0, d)
 
         def nogil_call():
             _C.parallel_copy(dst, src, True)
@@ -121,7 +121,10 @@ def child(i):
     threading.Thread(target=loop, daemon=True).start()
     assert inside.wait(60), "the thread never started its calls"
     if SCENARIO == "ring_read":
-        time.sleep(0.05)  # GIL free: the thread, past inside.set(), is now blocked in read
+        deadline = time.monotonic() + 60
+        while _C.nogil_gate_inside() == 0:  # until the thread is blocked in read, GIL free
+            assert time.monotonic() < deadline, "the thread never blocked in its read"
+            time.sleep(0.001)
     elif TIMING == "late":
         time.sleep(rng.random() * 0.01)
     if TIMING == "waiting" and wake is not None:

@@ -8,7 +8,7 @@ index. Every install gets an empty cache of its own. Checked:
 
 * the README's command, ``pip install <checkout>`` with pip's defaults, builds against the
   environment's torch, leaves that torch in place, downloads no torch, and the result imports
-  and works (scripts/compat_smoke.py: arena write/get, a MessageQueue round trip);
+  and works (e2e/compat_smoke.py: arena write/get, a MessageQueue round trip);
 * the same from an sdist (``python -m build --sdist``) and with ``--no-build-isolation``;
 * ``dist/*.whl`` (``make wheel``) installs into another fresh venv with the torch it was built
   for, without touching that torch, and works;

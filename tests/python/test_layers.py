@@ -114,3 +114,21 @@ def test_the_queue_parts_never_import_the_facade():
 def test_the_arena_knows_neither_the_pickler_nor_the_queue():
     targets = _graph()["arena"]
     assert not {t for t in targets if t == "pickler" or t.startswith("mq") or "queue" in t}
+
+
+def test_the_architecture_page_lists_the_imports_the_code_has():
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    block = page.split("## Imports", 1)[1].split("```", 2)[1]
+    listed = {}
+    for line in block.strip().splitlines():
+        module, _, targets = line.partition("──▶")
+        targets = targets.strip()
+        listed[module.strip()] = (
+            set() if targets.startswith("(") else {t.strip() for t in targets.split(",")}
+        )
+    graph = {
+        m: {t for t in targets if t in ORDER and t not in ("_C", "_build_info")}
+        for m, targets in _graph().items()
+        if m not in ("_C", "_build_info")
+    }
+    assert listed == graph, "docs/architecture.md's Imports list differs from the code"

@@ -1,4 +1,4 @@
-"""The two-node harness (scripts/netns_nodes.sh, tests/python/netns.py): the nodes are apart
+"""The two-node harness (e2e/netns_nodes.sh, e2e/netns.py): the nodes are apart
 (own /dev/shm, hostname), the queue link carries TCP and ZeroMQ over IPv4 and IPv6, the port
 counters see the bytes sent (headers aside), the rate limit holds, the stranger reaches node 0
 (and only node 0) over its own link, and `down` / a failed `up` leave nothing behind. Skipped
@@ -11,7 +11,8 @@ import subprocess
 import time
 
 import pytest
-from netns import (
+
+from e2e.netns import (
     SCRIPT,
     STRANGER,
     TwoNodes,

@@ -226,6 +226,7 @@ def _random_object(g: torch.Generator, min_bytes: int):
     """One object of a message: a tensor around the divert threshold in every shape the
     decision cares about (dtype, layout, contiguity, conj/neg bits, grad, subclass), or not a
     tensor at all."""
+
     def pick(seq):
         return seq[int(torch.randint(len(seq), (1,), generator=g))]
 

@@ -2,8 +2,8 @@
 
 The parser of each variable on good, bad and empty values (a bad one is a ``ValueError``
 naming the variable and the value), the documentation generated from the declarations (the
-module docstring, the README's table), the defaults agreeing with the constants the modules
-use, and that no other module reads the environment itself.
+module docstring, docs/configuration.md's table), the defaults agreeing with the constants the
+modules use, and that no other module reads the environment itself.
 """
 
 from __future__ import annotations
@@ -175,14 +175,14 @@ def test_the_module_docstring_lists_every_variable_as_declared():
         assert f"``{name}``" in settings.__doc__, name
 
 
-def test_the_readme_table_is_the_generated_one():
-    """The README includes ``settings.table()`` between two markers; regenerate it with
-    ``python -c "from vllm_shm_arena import settings; print(settings.table())"``."""
-    text = (REPO / "README.md").read_text()
+def test_the_configuration_pages_table_is_the_generated_one():
+    """docs/configuration.md includes ``settings.table()`` between two markers; regenerate it
+    with ``python -c "from vllm_shm_arena import settings; print(settings.table())"``."""
+    text = (REPO / "docs" / "configuration.md").read_text()
     m = re.search(
         r"<!-- settings table: .*? -->\n(.*?)\n<!-- end of the settings table -->", text, re.S
     )
-    assert m, "the README has no settings table between its markers"
+    assert m, "docs/configuration.md has no settings table between its markers"
     assert m.group(1) == settings.table()
     for name in settings.READ_BY_EXTENSION:
         assert name in text

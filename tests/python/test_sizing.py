@@ -14,15 +14,12 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mq_helpers import ready_in_threads  # noqa: E402
 
 from vllm_shm_arena import MessageQueue, metrics, sizing  # noqa: E402

@@ -178,7 +178,7 @@ class _ReaderEnd(End):
         try:
             if arena is not None and len(frames[0]) and "holds" not in entry:
                 pairs = parse_diverted(frames[0])
-                _C.call_store(entry, "holds", arena._require_reader().hold_slots, (pairs,))
+                _C.call_store(entry, "holds", arena.hold_slots, (pairs,))
             _C.call_store(inbox, 0, _decoded, (frames, arena))
         except BaseException as e:
             if not _from_signal_handler(e) and inbox and inbox[0] is entry:
@@ -288,7 +288,7 @@ class LocalReaderEnd(_ReaderEnd):
             # failed to attach is untouched, so a join that fails here can be retried.
             if handle.tensor_arena_handle is not None:
                 self.arena = ShmTensorArena.attach(handle.tensor_arena_handle, index)
-            self.ring = _C.RingReader(name, index, shm_dir)
+            self.ring = _C.MessageRingReader(name, index, shm_dir)
             # Readers copy ring frames out too: leave the others (and the writer) a CPU.
             _C.set_copy_readers(len(handle.local_reader_ranks))
             self.socket = ReaderSocket(self.lifecycle, self.keys, handle.local_subscribe_addr, True)
@@ -404,7 +404,7 @@ class LocalReaderEnd(_ReaderEnd):
                 raise RuntimeError("corrupt blob marker in the message ring")
             slot, gen, nbytes = BLOB_MARKER.unpack(marker[0])
             # Copied out and released at once, stored in the same C call.
-            read = self.arena._require_reader().read_frames
+            read = self.arena.read_blob
             _C.call_store(entry, "fetched", read, (slot, gen, nbytes))
             return
         if "socket" not in entry:

@@ -235,7 +235,7 @@ class WriterEnd(End):
         try:
             local_addr = remote_addr = None
             if n_local_reader > 0:
-                self.ring = _C.RingWriter(n_local_reader, max_chunks, max_chunk_bytes)
+                self.ring = _C.MessageRingWriter(n_local_reader, max_chunks, max_chunk_bytes)
                 self.lifecycle.resources.ring_writer = self.ring
                 _C.set_copy_readers(n_local_reader)  # the copy pool leaves the readers CPUs
                 local_addr = self.sockets.bind_local(self.ring.dir)
@@ -365,7 +365,7 @@ class WriterEnd(End):
         sizes = [memoryview(f).nbytes for f in frames]
         self.counters["bytes"] += sum(sizes)
         ring = self.ring
-        fits = ring is not None and _C.RingWriter.packed_bytes(sizes) <= self.max_chunk_bytes
+        fits = ring is not None and _C.MessageRingWriter.packed_bytes(sizes) <= self.max_chunk_bytes
         sending.fits = fits
         if ring is not None:
             while True:
@@ -376,7 +376,7 @@ class WriterEnd(End):
                     break
             if not fits and self.arena is not None and self.blob_max:
                 # Stored in the C call that allocated and published it: settle gives it back.
-                write = self.arena._require_writer().write_frames
+                write = self.arena.write_blob
                 _C.call_store(sending.ring, "blob", write, (frames, self.blob_max))
         remote = self.sockets.remote
         if remote is not None:

@@ -1,0 +1,625 @@
+"""The serve test's driver: real `vllm serve` runs, flag on and flag off, checked end to end.
+
+Run by ``e2e/serve_test.sh`` (``make serve-test``) with .venv-serve's python, after the
+venv and the tiny model exist. For each configuration (``--enable-shm-tensor-arena``, then
+``--no-enable-shm-tensor-arena``) it starts ``vllm serve`` with TP=2 and the mp executor on
+127.0.0.1, sends OpenAI chat requests carrying base64 PNG images through ``urllib``, reads
+``/metrics``, stops the server with SIGINT, and checks:
+
+* every image went through the arena: per image, ``vllm:shm_arena_hits_total`` grew by one and
+  ``vllm:shm_arena_bytes_total`` by exactly that image's pixel_values bytes (uint8, 1176 bytes
+  per 14x14 patch of the resized image: vLLM 0.32 sends Qwen2-VL pixel_values as uint8);
+* ``VLLM_SHM_ARENA_DEBUG_CHECKSUM=1``: ``vllm:shm_arena_checksum_mismatches_total`` is exported
+  by the workers and is 0, and no worker logged a mismatch;
+* with the flag off, no arena hit and no "uses the C++ shm tensor arena" line (stock vLLM);
+* temperature 0, a fixed seed: both configurations return identical token ids per request;
+* no ``vsa_`` name is left in the private shm directory (or new in /dev/shm) after the stop;
+* the server stops cleanly: SIGINT, exit status 0 within ``--stop-timeout``, no process of
+  its group left, no force-kill of the engine or a worker (``--shutdown-timeout`` gives them
+  time to close their queues).
+
+Writes ``serve_test.json`` and ``serve_test.md`` (start-up time, TTFT and end-to-end medians,
+arena hits/bytes per image, the identical-tokens check) to ``--results``, also when a check
+fails (marked FAIL), and exits 1 if any check failed. Every wait is bounded; on any failure
+the server's whole process group is killed and the log's tail printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict
+from typing import Any
+
+from serve_lib import (  # e2e/, beside this file
+    ARENA_LINE,
+    IMAGE_KINDS,
+    MISMATCH_LINE,
+    SAMPLE,
+    CheckFailed,
+    ImageRequest,
+    ProcessGroup,
+    add_common_arguments,
+    chat_stream,
+    compare_outputs,
+    image_content,
+    model_args,
+    plan_requests,
+    prepare,
+    print_checks,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FORCE_KILL_LINE = "force killing"
+#: vLLM's executor SIGTERMs workers that have not exited 5 s after it asked them to; on this
+#: CPU build that happens with the flag off as well, so it is recorded, not failed.
+GRACE_SIGTERM_LINE = "workers still running after grace period"
+
+
+# ---------------------------------------------------------------------------------------------
+# images
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP
+
+
+def read_metrics(base: str, timeout: float = 30.0) -> dict[str, float]:
+    """``/metrics``' ``vllm:shm_arena_*`` samples, ``name{labels}`` -> value."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:shm_arena_"):
+            continue
+        m = SAMPLE.match(line.strip())
+        if m:
+            out[m.group("name") + (m.group("labels") or "")] = float(m.group("v"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the server
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vsa_names(d: str) -> set[str]:
+    """Our shared-memory names in ``d`` (arena and ring segments start with ``vsa_``)."""
+    try:
+        return {n for n in os.listdir(d) if n.startswith("vsa_")}
+    except FileNotFoundError:
+        return set()
+
+
+def new_dev_shm_names(before: set[str]) -> tuple[list[str], list[str]]:
+    """``vsa_`` names in /dev/shm that appeared since ``before``, split into those that may be
+    ours and those another, live process writes (the machine is shared: other users' queues
+    come and go there). Called once every process of the server is gone, so a name whose
+    writer's kernel-held token is still taken cannot be the server's."""
+    new = vsa_names("/dev/shm") - before
+    if not new:
+        return [], []
+    from vllm_shm_arena.cleanup import remove_stale_resources
+
+    alive = {
+        r.name for r in remove_stale_resources("/dev/shm", dry_run=True) if r.writer == "alive"
+    }
+    still = vsa_names("/dev/shm")
+    return sorted((new & still) - alive), sorted(new & alive)
+
+
+class Server(ProcessGroup):
+    """One ``vllm serve`` in its own process group, with its private directories."""
+
+    def __init__(self, args: argparse.Namespace, config: str, flag: str, log_path: str):
+        self.args = args
+        self.config = config
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        # tmpfs for the shm directory (the arena's region must be memory), private to this run.
+        self.shm_dir = tempfile.mkdtemp(prefix=f"vsa-serve-{config}-", dir=args.shm_parent)
+        self.prom_dir = tempfile.mkdtemp(prefix=f"vsa-serve-prom-{config}-")
+        self.log_path = log_path
+        env = dict(os.environ)
+        env.update(
+            {
+                # One core per TP rank: "auto" needs as many NUMA nodes as ranks.
+                "VLLM_CPU_OMP_THREADS_BIND": args.omp_bind,
+                "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib),
+                "PROMETHEUS_MULTIPROC_DIR": self.prom_dir,
+                "VLLM_SHM_ARENA_DEBUG_CHECKSUM": "1",
+                "VLLM_SHM_ARENA_SHM_DIR": self.shm_dir,
+                # Everything stays on this machine: loopback for vLLM's own sockets, no usage
+                # reports, no hub look-ups.
+                "VLLM_HOST_IP": "127.0.0.1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+            }
+        )
+        self.cmd = [
+            os.path.join(os.path.dirname(sys.executable), "vllm"),
+            "serve",
+            args.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--tensor-parallel-size",
+            "2",
+            "--distributed-executor-backend",
+            "mp",
+            "--enforce-eager",
+            flag,
+            *model_args(args.shutdown_timeout),
+        ]
+        self.env = env
+        self.proc: subprocess.Popen | None = None
+        self.startup_s = math.nan
+        self.stop: dict[str, Any] = {}
+        #: vsa_ names seen in the private shm directory while starting: the queue unlinks them
+        #: once every worker attached, so this is the evidence that the plugin's queue honours
+        #: VLLM_SHM_ARENA_SHM_DIR.
+        self.names_seen_starting: set[str] = set()
+
+    def start(self) -> None:
+        """Starts the server and waits (bounded) until ``/health`` answers 200."""
+        shutil.rmtree(self.prom_dir, ignore_errors=True)
+        os.makedirs(self.prom_dir)
+        log = open(self.log_path, "w")
+        log.write("$ " + " ".join(self.cmd) + "\n")
+        log.flush()
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(
+            self.cmd,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: one signal reaches every child
+            cwd=ROOT,
+        )
+        log.close()
+        deadline = t0 + self.args.startup_timeout
+        while True:
+            self.names_seen_starting |= vsa_names(self.shm_dir)
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vllm serve ({self.config}) exited with {self.proc.returncode} during start-up"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.base}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"vllm serve ({self.config}) not healthy after {self.args.startup_timeout} s"
+                )
+            time.sleep(0.2)
+        self.startup_s = time.monotonic() - t0
+
+    def shutdown(self) -> dict[str, Any]:
+        """SIGINT, then waits (bounded) for the server and every process of its group."""
+        out: dict[str, Any] = {"signal": "SIGINT"}
+        if self.proc is None or self.proc.poll() is not None:
+            out.update(rc=None if self.proc is None else self.proc.returncode, already_exited=True)
+            self.stop = out
+            return out
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            out["rc"] = self.proc.wait(timeout=self.args.stop_timeout)
+        except subprocess.TimeoutExpired:
+            out["rc"] = None
+        deadline = time.monotonic() + 15
+        while self._group_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        out["group_left_running"] = self._group_alive()
+        out["stop_s"] = round(time.monotonic() - t0, 2)
+        if out["rc"] is None or out["group_left_running"]:
+            self.kill()
+        self.stop = out
+        return out
+
+    def cleanup_dirs(self) -> None:
+        """Removes the private directories (after their contents were checked)."""
+        shutil.rmtree(self.prom_dir, ignore_errors=True)
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# one configuration
+
+
+def _arena_totals(m: dict[str, float]) -> tuple[int, int]:
+    return int(m.get("vllm:shm_arena_hits_total", 0)), int(m.get("vllm:shm_arena_bytes_total", 0))
+
+
+def settle_metrics(srv: Server, args: argparse.Namespace) -> dict[str, float]:
+    """``/metrics`` once the arena's counters stopped moving.
+
+    The writer reports at most once a second and only from ``enqueue``, the readers only from
+    ``dequeue``: after a request the last hit shows only once another message went through more
+    than a second later. So: wait 1.1 s, send a one-token text request (its messages carry the
+    report), read; until two reads in a row agree (bounded by ``--settle-rounds``)."""
+    prev = None
+    for _ in range(args.settle_rounds):
+        time.sleep(1.1)
+        chat_stream(srv.base, [{"type": "text", "text": "ping"}], 0, 1, args.request_timeout)
+        cur = read_metrics(srv.base)
+        if prev is not None and cur == prev:
+            return cur
+        prev = cur
+    raise CheckFailed(f"arena metrics still changing after {args.settle_rounds} rounds: {prev}")
+
+
+def run_config(args: argparse.Namespace, config: str, flag: str, plan: list[ImageRequest]):
+    """Starts one server, sends ``plan``, stops it; returns the configuration's record."""
+    arena_on = config == "arena"
+    log_path = os.path.join(args.log_dir, f"serve_{config}.log")
+    dev_shm_before = vsa_names("/dev/shm")
+    srv = Server(args, config, flag, log_path)
+    rec: dict[str, Any] = {"config": config, "flag": flag, "log": os.path.relpath(log_path, ROOT)}
+    reqs = [
+        ImageRequest(**{k: getattr(r, k) for k in ("kind", "index", "side", "seed", "warmup")})
+        for r in plan
+    ]
+    errors: list[str] = []
+    try:
+        print(f"serve-test [{config}]: starting vllm serve on {srv.base} ({flag})", flush=True)
+        srv.start()
+        print(f"serve-test [{config}]: healthy after {srv.startup_s:.1f} s", flush=True)
+        base_metrics = read_metrics(srv.base)
+        prev_hits, prev_bytes = _arena_totals(base_metrics)
+        for r in reqs:
+            png = prepare(r, args)
+            h, w = r.resized
+            res = chat_stream(
+                srv.base, image_content(png), args.seed, args.max_tokens, args.request_timeout
+            )
+            r.ttft_s, r.e2e_s = res["ttft_s"], res["e2e_s"]
+            r.token_ids, r.logprobs, r.text = res["token_ids"], res["logprobs"], res["text"]
+            if arena_on:
+                m = settle_metrics(srv, args)
+                hits, nbytes = _arena_totals(m)
+                r.arena_hits, r.arena_bytes = hits - prev_hits, nbytes - prev_bytes
+                prev_hits, prev_bytes = hits, nbytes
+            print(
+                f"serve-test [{config}]: {r.key}: {r.side}x{r.side} -> {h}x{w}, "
+                f"{r.pixel_values_bytes / 2**20:.2f} MiB pixel_values, TTFT {r.ttft_s:.2f} s, "
+                f"e2e {r.e2e_s:.2f} s"
+                + (f", arena +{r.arena_hits} hit(s) / +{r.arena_bytes} B" if arena_on else ""),
+                flush=True,
+            )
+        final = settle_metrics(srv, args) if arena_on else read_metrics(srv.base)
+        rec["metrics_final"] = final
+    except Exception as e:  # any failure: kill the server, print its log, record it
+        errors.append(f"{type(e).__name__}: {e}")
+        print(
+            f"serve-test [{config}]: FAILED: {e}\n--- log tail ({log_path}) ---\n"
+            f"{srv.log_tail()}\n---",
+            flush=True,
+        )
+        srv.kill()
+    finally:
+        stop = srv.shutdown()
+    log = srv.log_text()
+    rec["startup_s"] = srv.startup_s
+    rec["stop"] = stop
+    rec["requests"] = [asdict(r) | {"key": r.key} for r in reqs]
+    rec["errors"] = errors
+    left = sorted(vsa_names(srv.shm_dir))
+    new_dev_shm, others = new_dev_shm_names(dev_shm_before)
+    rec["vsa_names_left"] = {"private_shm_dir": left, "dev_shm_new": new_dev_shm}
+    rec["dev_shm_new_with_live_writer"] = others
+    rec["private_shm_names_seen_starting"] = sorted(srv.names_seen_starting)
+    rec["arena_line_in_log"] = ARENA_LINE in log
+    rec["mismatch_lines_in_log"] = sum(MISMATCH_LINE in ln for ln in log.splitlines())
+    rec["force_kill_lines_in_log"] = [ln[-160:] for ln in log.splitlines() if FORCE_KILL_LINE in ln]
+    rec["grace_sigterm_lines_in_log"] = sum(GRACE_SIGTERM_LINE in ln for ln in log.splitlines())
+    srv.cleanup_dirs()
+    return rec
+
+
+def _median(xs: list[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return statistics.median(xs) if xs else math.nan
+
+
+def checks_for(rec: dict[str, Any], min_bytes: int) -> list[tuple[str, bool, str]]:
+    """The per-configuration checks: (name, passed, detail). ``min_bytes`` is the package's
+    divert threshold, named in the detail of an image below it."""
+    out: list[tuple[str, bool, str]] = []
+    arena_on = rec["config"] == "arena"
+    out.append(("server started, requests answered", not rec["errors"], "; ".join(rec["errors"])))
+    stop = rec["stop"]
+    clean = (
+        stop.get("rc") == 0
+        and not stop.get("group_left_running")
+        and not stop.get("already_exited")
+        and not rec["force_kill_lines_in_log"]
+    )
+    out.append(
+        (
+            "stopped cleanly (SIGINT -> exit 0, no process left, no force-kill)",
+            clean,
+            json.dumps(stop)
+            + (
+                f"; force-kill lines: {rec['force_kill_lines_in_log']}"
+                if rec["force_kill_lines_in_log"]
+                else ""
+            ),
+        )
+    )
+    left = rec["vsa_names_left"]
+    # Only the private directory decides: /dev/shm is shared with everything else on this
+    # machine (other users' queues, and their crashed tests' stale segments, come and go
+    # there), so names new there are recorded, not held against this server, whose queue
+    # lives in the private directory (checked below from what start-up showed there).
+    out.append(
+        (
+            "no vsa_ name left in the private shm directory",
+            not left["private_shm_dir"],
+            f"{json.dumps(left['private_shm_dir'])}; new in /dev/shm during the run (other "
+            f"processes'): stale {left['dev_shm_new']}, live writer "
+            f"{rec['dev_shm_new_with_live_writer']}",
+        )
+    )
+    m = rec.get("metrics_final", {})
+    if arena_on:
+        out.append(("plugin active (engine log names the C++ arena)", rec["arena_line_in_log"], ""))
+        seen = rec["private_shm_names_seen_starting"]
+        out.append(
+            (
+                "the queue's ring and arena were made in the private VLLM_SHM_ARENA_SHM_DIR",
+                any(n.startswith("vsa_ring_") for n in seen)
+                and any(not n.startswith("vsa_ring_") for n in seen),
+                f"seen there during start-up: {seen}",
+            )
+        )
+        for r in rec["requests"]:
+            ok = r["arena_hits"] == 1 and r["arena_bytes"] == r["pixel_values_bytes"]
+            detail = f"hits +{r['arena_hits']}, bytes +{r['arena_bytes']}"
+            if not ok and r["pixel_values_bytes"] < min_bytes:
+                detail += (
+                    f"; its pixel_values ({r['pixel_values_bytes']} B) are below the divert "
+                    f"threshold of the queue's arena ({min_bytes} B), so they took the "
+                    "out-of-band path"
+                )
+            out.append(
+                (
+                    f"{r['key']} went through the arena (1 hit, {r['pixel_values_bytes']} B)",
+                    ok,
+                    detail,
+                )
+            )
+        mm = m.get("vllm:shm_arena_checksum_mismatches_total")
+        out.append(
+            (
+                "0 checksum mismatches (metric exported by the workers, no log line)",
+                mm == 0 and rec["mismatch_lines_in_log"] == 0,
+                f"metric {mm}, log lines {rec['mismatch_lines_in_log']}",
+            )
+        )
+    else:
+        hits, _ = _arena_totals(m)
+        out.append(
+            (
+                "flag off: no arena line, no arena hit (stock vLLM queue)",
+                not rec["arena_line_in_log"] and hits == 0,
+                f"arena line {rec['arena_line_in_log']}, hits {hits}",
+            )
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# results
+
+
+def summarize(rec: dict[str, Any]) -> dict[str, Any]:
+    """Start-up, TTFT and end-to-end medians per image kind (warm-up excluded)."""
+    out = {
+        "startup_s": rec["startup_s"],
+        "stop_s": rec["stop"].get("stop_s"),
+        "workers_sigtermed_after_grace": rec["grace_sigterm_lines_in_log"] > 0,
+    }
+    for kind in IMAGE_KINDS:
+        rs = [r for r in rec["requests"] if r["kind"] == kind and not r["warmup"]]
+        out[kind] = {
+            "n": len(rs),
+            "ttft_median_s": _median([r["ttft_s"] for r in rs]),
+            "e2e_median_s": _median([r["e2e_s"] for r in rs]),
+        }
+    warm = [r for r in rec["requests"] if r["warmup"]]
+    if warm:
+        out["warmup"] = {"ttft_s": warm[0]["ttft_s"], "e2e_s": warm[0]["e2e_s"]}
+    return out
+
+
+def write_results(path_dir: str, result: dict[str, Any]) -> None:
+    """serve_test.json (everything) and serve_test.md (the tables)."""
+    os.makedirs(path_dir, exist_ok=True)
+    with open(os.path.join(path_dir, "serve_test.json"), "w") as f:
+        json.dump(result, f, indent=2, default=str)
+        f.write("\n")
+    md = [
+        "# `make serve-test`: real `vllm serve`, TP=2, tiny random-weight Qwen2-VL",
+        "",
+        f"Result: **{'PASS' if result['passed'] else 'FAIL'}** ({result['when']}, "
+        f"{result['host']}). Written by `e2e/run_serve_test.py`; the full record "
+        "is `serve_test.json`.",
+        "",
+        f"vllm-cpu {result['versions']['vllm']}, torch {result['versions']['torch']}, "
+        f"transformers {result['versions']['transformers']}; `vllm serve <tiny-qwen2vl> "
+        "--tensor-parallel-size 2 --distributed-executor-backend mp --enforce-eager "
+        "--dtype float32 --max-model-len 4096 --seed 0 --shutdown-timeout "
+        f"{result['settings']['shutdown_timeout']}` with `--enable-shm-tensor-arena` (arena) or "
+        "`--no-enable-shm-tensor-arena` (stock); `VLLM_CPU_OMP_THREADS_BIND="
+        f"{result['settings']['omp_bind']}`, `VLLM_CPU_KVCACHE_SPACE="
+        f"{result['settings']['kv_cache_gib']}`, `VLLM_SHM_ARENA_DEBUG_CHECKSUM=1`, private "
+        "`PROMETHEUS_MULTIPROC_DIR` and `VLLM_SHM_ARENA_SHM_DIR`. Requests: streamed chat "
+        f"completions, one base64 PNG each, temperature 0, seed {result['settings']['seed']}, "
+        f"{result['settings']['max_tokens']} tokens (`ignore_eos`). Medians over "
+        f"{result['settings']['per_kind']} requests per image kind, each with a different image; "
+        "one warm-up image request first (timed apart). The arena divert threshold was "
+        f"{result['settings']['min_bytes']} bytes (the queue's arena layout: "
+        "`vllm_shm_arena.arena.VARIABLE_MIN_BYTES` for the default variable-size layout).",
+        "",
+        "## Timings",
+        "",
+        "| configuration | start-up | warm-up request e2e | large: TTFT / e2e (median) | "
+        "typical: TTFT / e2e (median) | stop |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, s in result["summary"].items():
+        md.append(
+            f"| {name} | {s['startup_s']:.1f} s | {s.get('warmup', {}).get('e2e_s', math.nan):.2f}"
+            f" s | {s['large']['ttft_median_s']:.3f} / {s['large']['e2e_median_s']:.3f} s | "
+            f"{s['typical']['ttft_median_s']:.3f} / {s['typical']['e2e_median_s']:.3f} s | "
+            f"{s['stop_s']} s |"
+        )
+    md += [
+        "",
+        "## Arena hits and bytes per image (arena configuration)",
+        "",
+        "| request | image | resized to | patches | pixel_values (uint8) | arena hits "
+        "| arena bytes | match |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    arena = next((c for c in result["configs"] if c["config"] == "arena"), None)
+    for r in arena["requests"] if arena else []:
+        ok = r["arena_hits"] == 1 and r["arena_bytes"] == r["pixel_values_bytes"]
+        md.append(
+            f"| {r['key']} | {r['side']}² | {r['resized'][0]}×{r['resized'][1]} | {r['patches']} |"
+            f" {r['pixel_values_bytes']:,} B ({r['pixel_values_bytes'] / 2**20:.2f} MiB) | "
+            f"{r['arena_hits']} | {r['arena_bytes']:,} | {'yes' if ok else '**no**'} |"
+        )
+    md += [
+        "",
+        "Stop: SIGINT to `vllm serve`; vLLM drains (`--shutdown-timeout`), and its executor "
+        "SIGTERMs workers still running 5 s after it asked them to exit ("
+        + ", ".join(
+            f"{n}: {'yes' if s['workers_sigtermed_after_grace'] else 'no'}"
+            for n, s in result["summary"].items()
+        )
+        + ").",
+    ]
+    md += ["", "## Identical outputs, flag on vs flag off", ""]
+    tok = result["identical_tokens"]
+    md.append(
+        f"{tok['identical']} of {tok['total']} requests returned identical token ids and "
+        "logprobs (each request a different image; distinct outputs per configuration: "
+        f"{tok['distinct_outputs_per_config']})"
+        + (f"; differing: {', '.join(tok['differing'])}" if tok["differing"] else "")
+        + "."
+    )
+    md += ["", "## Checks", "", "| configuration | check | result | detail |", "|---|---|---|---|"]
+    for name, check, ok, detail in result["checks"]:
+        md.append(f"| {name} | {check} | {'pass' if ok else '**FAIL**'} | {detail[:300]} |")
+    with open(os.path.join(path_dir, "serve_test.md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    return {
+        d: md.version(n)
+        for d, n in (("vllm", "vllm-cpu"), ("torch", "torch"), ("transformers", "transformers"))
+    }
+
+
+def _queue_min_bytes() -> int:
+    """The divert threshold of the arena the plugin's queue builds (its layout's)."""
+    from vllm_shm_arena import arena, settings
+
+    if settings.arena_policy() == "fixed":
+        return arena.MIN_BYTES
+    return arena.VARIABLE_MIN_BYTES
+
+
+def main() -> int:
+    """Runs both configurations, compares them, writes the results; exit 1 on any failure."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="the tiny Qwen2-VL directory")
+    ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks/results/serve_test"))
+    ap.add_argument("--log-dir", default=os.path.join(ROOT, "build/serve_test"))
+    ap.add_argument(
+        "--shm-parent",
+        default="/dev/shm",
+        help="tmpfs under which each run's private shm directory is made",
+    )
+    add_common_arguments(ap, per_kind=5, startup_timeout=600)
+    args = ap.parse_args()
+    plan, seed_base = plan_requests(args, "serve-test")
+
+    configs = []
+    for config, flag in (
+        ("arena", "--enable-shm-tensor-arena"),
+        ("stock", "--no-enable-shm-tensor-arena"),
+    ):
+        configs.append(run_config(args, config, flag, plan))
+
+    checks = []
+    for rec in configs:
+        for name, ok, detail in checks_for(rec, _queue_min_bytes()):
+            checks.append((rec["config"], name, ok, detail))
+    identical, same = compare_outputs(configs, [r.key for r in plan], args.max_tokens)
+    checks += same
+    passed = all(ok for _, _, ok, _ in checks)
+    result = {
+        "passed": passed,
+        "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "host": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "versions": _versions(),
+        "settings": {
+            "per_kind": args.per_kind,
+            "max_tokens": args.max_tokens,
+            "seed": args.seed,
+            "image_seed": seed_base,
+            "omp_bind": args.omp_bind,
+            "kv_cache_gib": args.kv_cache_gib,
+            "shutdown_timeout": args.shutdown_timeout,
+            "min_bytes": _queue_min_bytes(),
+            "max_pixels": args.max_pixels,
+        },
+        "summary": {c["config"]: summarize(c) for c in configs},
+        "identical_tokens": identical,
+        "checks": checks,
+        "configs": configs,
+    }
+    write_results(args.results, result)
+    print_checks("serve-test", checks)
+    print(
+        f"serve-test: {'PASSED' if passed else 'FAILED'}; results in "
+        f"{os.path.relpath(args.results, ROOT)}/serve_test.{{md,json}}",
+        flush=True,
+    )
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
