@@ -29,6 +29,7 @@
 #include "core/copy_pool.h"
 #include "core/cuda_shim.h"
 #include "core/errors.h"
+#include "core/frame_pool.h"
 #include "core/shm_region.h"
 #include "core/socket_dir.h"
 #include "core/stale_segments.h"
@@ -263,6 +264,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["threads"] = s.threads;
     return d;
   });
+  // The frame pool (frame_pool.h): warm buffers for large socket frames and frames copied out.
+  m.def("frame_pool_stats", [] {
+    FramePoolStats s = FramePool::process().stats();
+    py::dict d;
+    d["takes"] = s.takes;
+    d["warm_takes"] = s.warm_takes;
+    d["mapped"] = s.mapped;
+    d["unmapped"] = s.unmapped;
+    d["idle_bytes"] = s.idle_bytes;
+    d["in_use_bytes"] = s.in_use_bytes;
+    d["max_idle_bytes"] = FramePool::process().max_idle_bytes();
+    return d;
+  });
+  // Idle bytes the frame pool keeps at most (0: none).
+  m.def(
+      "set_frame_pool_max_idle_bytes",
+      [](uint64_t n) { FramePool::process().set_max_idle_bytes(n); }, py::arg("n"));
   // Threads a copy may use (0 = automatic) and the size below which one memcpy is used.
   m.def("set_copy_threads", &set_copy_threads);
   // The queue's local readers, taken from the usable CPUs by the automatic thread count.

@@ -117,6 +117,9 @@ def _stream_min_from_env() -> None:
     nbytes = settings.stream_min_bytes()
     if nbytes is not None:
         _C.set_stream_min_bytes(nbytes)
+    pool = settings.frame_pool_bytes()  # VLLM_SHM_ARENA_FRAME_POOL_MB, likewise
+    if pool is not None:
+        _C.set_frame_pool_max_idle_bytes(pool)
 
 
 _stream_min_from_env()

@@ -39,6 +39,9 @@ reads as "no plugin".
 * ``VLLM_SHM_ARENA_STREAM_MIN_MB``: a message's copies into the arena and the ring use streaming
   stores once they have written this many MiB. Default: the extension's (32 MiB). Valid: a whole
   number >= 0 (0 turns streaming off). Read at import (arena.py).
+* ``VLLM_SHM_ARENA_FRAME_POOL_MB``: the warm buffers kept for large socket frames (idle ones, at
+  most this many MiB, each for at most 10 s). Default: the extension's (512 MiB). Valid: a whole
+  number >= 0 (0 keeps no idle buffer). Read at import (arena.py).
 * ``VLLM_SHM_ARENA_DEBUG_CHECKSUM``: the writer checksums each tensor and readers report
   releases whose bytes changed (an in-place write by a reader). Default: unset. Valid: ``1``
   turns it on; any other value leaves it off. Read per arena created (arena.py).
@@ -248,6 +251,15 @@ VARIABLES: tuple[Variable, ...] = (
         "a whole number >= 0 (0 turns streaming off)",
         "a message's copies into the arena and the ring use streaming stores once they have "
         "written this many MiB",
+        "at import (arena.py)",
+        _whole(0),
+    ),
+    Variable(
+        "VLLM_SHM_ARENA_FRAME_POOL_MB",
+        "the extension's (512 MiB)",
+        "a whole number >= 0 (0 keeps no idle buffer)",
+        "the warm buffers kept for large socket frames (idle ones, at most this many MiB, "
+        "each for at most 10 s)",
         "at import (arena.py)",
         _whole(0),
     ),
@@ -467,6 +479,13 @@ def stream_min_bytes(environ: Env = None) -> int | None:
     """``VLLM_SHM_ARENA_STREAM_MIN_MB``, in bytes; None when unset (the extension's default
     stays)."""
     mib = value("VLLM_SHM_ARENA_STREAM_MIN_MB", environ)
+    return None if mib is None else mib * _MIB
+
+
+def frame_pool_bytes(environ: Env = None) -> int | None:
+    """``VLLM_SHM_ARENA_FRAME_POOL_MB``, in bytes; None when unset (the extension's default
+    stays)."""
+    mib = value("VLLM_SHM_ARENA_FRAME_POOL_MB", environ)
     return None if mib is None else mib * _MIB
 
 

@@ -18,6 +18,8 @@
 
 #include "bindings/gil.h"
 #include "core/call_lock.h"
+#include "core/copy_pool.h"
+#include "core/frame_pool.h"
 
 namespace py = pybind11;
 
@@ -130,6 +132,8 @@ struct ZmqApi {
   size_t (*msg_size)(const ZmqMsg*) = nullptr;
   int (*msg_more)(const ZmqMsg*) = nullptr;
   int (*send)(void*, const void*, size_t, int) = nullptr;
+  int (*msg_init_data)(ZmqMsg*, void*, size_t, void (*)(void*, void*), void*) = nullptr;
+  int (*msg_send)(ZmqMsg*, void*, int) = nullptr;
   int (*errno_)() = nullptr;
 };
 
@@ -162,6 +166,8 @@ const ZmqApi& zmq_api() {
     sym(a.msg_size, "zmq_msg_size");
     sym(a.msg_more, "zmq_msg_more");
     sym(a.send, "zmq_send");
+    sym(a.msg_init_data, "zmq_msg_init_data");
+    sym(a.msg_send, "zmq_msg_send");
     sym(a.errno_, "zmq_errno");
     return a;
   }();
@@ -222,20 +228,37 @@ void send_frames(uintptr_t handle, const py::list& frames, int first_flags, int 
     Py_buffer view;
     if (PyObject_GetBuffer(frames[i].ptr(), &view, PyBUF_SIMPLE) != 0)
       throw py::error_already_set();
-    int rc;
+    int rc = -1;
     int err = 0;
-    auto send = [&] {
-      for (;;) {
-        rc = z.send(sock, view.buf, static_cast<size_t>(view.len), flags);
-        if (rc >= 0) return;
-        err = z.errno_();
-        if (err != EINTR || i == 0) return;  // a first frame interrupted: nothing went
+    const size_t len = static_cast<size_t>(view.len);
+    if (len >= kPooledFrameMinBytes) {
+      // A large frame: copied (GIL released) into a warm buffer of the frame pool, which
+      // ZeroMQ gives back once every subscriber's copy is written (zmq_free, on its thread).
+      try {
+        with_nogil([&] {
+          FrameBuffer* buf = FramePool::process().take(len);
+          parallel_copy(buf->data, view.buf, len);
+          ZmqMsg msg;
+          z.msg_init_data(&msg, buf->data, len, &FramePool::zmq_free, buf);
+          for (;;) {
+            rc = z.msg_send(&msg, sock, flags);
+            if (rc >= 0) return;
+            err = z.errno_();
+            if (err != EINTR || i == 0) break;  // a first frame interrupted: nothing went
+          }
+          z.msg_close(&msg);  // not sent: the buffer goes back to the pool
+        });
+      } catch (...) {
+        PyBuffer_Release(&view);
+        throw;
       }
-    };
-    if (view.len >= (1 << 20)) {
-      with_nogil(send);  // the copy of a large frame
     } else {
-      send();
+      for (;;) {
+        rc = z.send(sock, view.buf, len, flags);
+        if (rc >= 0) break;
+        err = z.errno_();
+        if (err != EINTR || i == 0) break;  // a first frame interrupted: nothing went
+      }
     }
     PyBuffer_Release(&view);
     if (rc < 0) raise_zmq_error(err);

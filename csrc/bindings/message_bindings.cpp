@@ -13,6 +13,7 @@
 #include "bindings/gil.h"
 #include "core/copy_pool.h"
 #include "core/errors.h"
+#include "core/frame_pool.h"
 #include "core/frames.h"
 #include "core/liveness.h"
 #include "core/message_ring.h"
@@ -83,29 +84,63 @@ FrameSpans frame_spans(const py::list& frames, FrameViews& views) {
   return spans;
 }
 
+}  // namespace
+
+/// A frame copied out into a warm buffer of the frame pool (frame_pool.h), read as a writable
+/// buffer (tensors may alias it, keeping it alive); the buffer goes back to the pool with the
+/// last reference.
+class PoolFrame {
+ public:
+  PoolFrame(FrameBuffer* buf, size_t size) : buf_(buf), size_(size) {}
+  PoolFrame(const PoolFrame&) = delete;
+  PoolFrame& operator=(const PoolFrame&) = delete;
+  ~PoolFrame() { FramePool::process().give_back(buf_); }
+  uint8_t* data() const { return buf_->data; }
+  size_t size() const { return size_; }
+
+ private:
+  FrameBuffer* buf_;
+  size_t size_;
+};
+
+namespace {
+
 /// The frames `spans` names (parsed by parse_frames, so each length is a checked private copy)
-/// copied out into bytearrays the caller owns for good. Called with the GIL held; the copies
-/// run without it.
-py::list frames_as_bytearrays(const FrameSpans& spans) {
-  PyObject* raw = PyList_New(static_cast<Py_ssize_t>(spans.size()));
+/// copied out into objects the caller owns for good: bytearrays, or PoolFrames from
+/// kPooledFrameMinBytes on (a fresh allocation of that size would fault its pages in on the
+/// copy). Called with the GIL held; the copies run without it.
+py::list frames_copied_out(const FrameSpans& spans) {
+  const size_t n = spans.size();
+  PyObject* raw = PyList_New(static_cast<Py_ssize_t>(n));
   if (raw == nullptr) throw py::error_already_set();
-  py::list out = py::reinterpret_steal<py::list>(raw);
-  std::vector<char*> dst(spans.size(), nullptr);
-  for (size_t i = 0; i < spans.size(); ++i) {
+  py::list out = py::reinterpret_steal<py::list>(raw);  // None until set
+  std::vector<uint8_t*> dst(n, nullptr);
+  std::vector<std::shared_ptr<PoolFrame>> pooled(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (spans[i].len >= kPooledFrameMinBytes) continue;
     PyObject* ba = PyByteArray_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(spans[i].len));
     if (ba == nullptr) throw py::error_already_set();
     PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), ba);  // steals the reference
-    dst[i] = PyByteArray_AS_STRING(ba);
+    dst[i] = reinterpret_cast<uint8_t*>(PyByteArray_AS_STRING(ba));
   }
   try {
     with_gated_nogil([&] {
-      for (size_t i = 0; i < spans.size(); ++i) {
+      for (size_t i = 0; i < n; ++i) {
+        if (spans[i].len < kPooledFrameMinBytes) continue;
+        const size_t len = static_cast<size_t>(spans[i].len);
+        pooled[i] = std::make_shared<PoolFrame>(FramePool::process().take(len), len);
+        dst[i] = pooled[i]->data();
+      }
+      for (size_t i = 0; i < n; ++i) {
         if (spans[i].len > 0) parallel_copy(dst[i], spans[i].data, spans[i].len);
       }
     });
   } catch (const ThreadExit&) {
     out.release();  // no GIL any more: leave the objects to the dying interpreter
-    throw;
+    throw;          // (the pooled buffers go back as `pooled` unwinds: no Python in that)
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (pooled[i]) out[i] = py::cast(pooled[i]);
   }
   return out;
 }
@@ -235,7 +270,7 @@ class PyMessageRingReader {
     }
     py::list frames;
     try {
-      frames = frames_as_bytearrays(m.frames);
+      frames = frames_copied_out(m.frames);
     } catch (const ThreadExit&) {
       frames.release();  // no GIL any more: leave the object to the dying interpreter
       core_->release();
@@ -284,7 +319,7 @@ py::list arena_read_frames(ArenaReader& reader, uint32_t slot, uint64_t generati
   const uint8_t* p = reader.acquire(slot, generation, nbytes, 0);
   py::list frames;
   try {
-    frames = frames_as_bytearrays(parse_frames(p, nbytes));
+    frames = frames_copied_out(parse_frames(p, nbytes));
   } catch (const ThreadExit&) {
     frames.release();  // no GIL any more: leave the object to the dying interpreter
     reader.release(slot, generation);
@@ -298,6 +333,13 @@ py::list arena_read_frames(ArenaReader& reader, uint32_t slot, uint64_t generati
 }
 
 void bind_messages(py::module_& m) {
+  // A frame copied out into the frame pool: a writable buffer; len() is its size.
+  py::class_<PoolFrame, std::shared_ptr<PoolFrame>>(m, "PoolFrame", py::buffer_protocol())
+      .def_buffer([](PoolFrame& f) {
+        return py::buffer_info(f.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(f.size())}, {1}, /*readonly=*/false);
+      })
+      .def("__len__", &PoolFrame::size);
   py::class_<PyMessageRingWriter, std::shared_ptr<PyMessageRingWriter>>(m, "MessageRingWriter")
       // Creates the ring's shm region: n_readers x max_chunks x max_chunk_bytes.
       .def(py::init<uint32_t, uint32_t, uint64_t, const std::string&>(), py::arg("n_readers"),
