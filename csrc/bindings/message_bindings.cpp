@@ -246,6 +246,15 @@ class PyMessageRingReader {
 
   uint32_t rank() const { return core_->rank(); }
   uint64_t consumed() const { return core_->consumed(); }
+  py::dict wait_stats() const {
+    const RingWaitStats& w = core_->wait_stats();
+    py::dict d;
+    d["ready"] = w.ready;
+    d["spun"] = w.spun;
+    d["slept"] = w.slept;
+    d["spin_s"] = static_cast<double>(w.spin_ns) * 1e-9;
+    return d;
+  }
   /// "alive", "dead" or "unknown": the ring writer's liveness token.
   std::string writer_liveness() const { return liveness_name(core_->writer_liveness()); }
 
@@ -378,6 +387,8 @@ void bind_messages(py::module_& m) {
       // Next message appended to sink as {"seq", "flags", "frames"} -> status ("ok", ...).
       .def("read_into", &PyMessageRingReader::read_into, py::arg("timeout_s"), py::arg("sink"))
       .def("consumed", &PyMessageRingReader::consumed)
+      // How its waits ended: {"ready", "spun", "slept", "spin_s"} (ring.h, RingWaitStats).
+      .def("wait_stats", &PyMessageRingReader::wait_stats)
       // "alive" | "dead" | "unknown": the ring writer's liveness token.
       .def("writer_liveness", &PyMessageRingReader::writer_liveness)
       .def_property_readonly("rank", &PyMessageRingReader::rank);

@@ -167,6 +167,7 @@ class MessageRingReader {
   uint32_t rank() const { return reader_->rank(); }
   /// Messages released so far.
   uint64_t consumed() const { return reader_->consumed(); }
+  const RingWaitStats& wait_stats() const { return reader_->wait_stats(); }
   const RingConfig& config() const { return reader_->config(); }
   /// Whether the ring's writer is alive: kDead only once a writer attached and its token is
   /// free.

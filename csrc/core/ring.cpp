@@ -1,5 +1,7 @@
 #include "core/ring.h"
 
+#include <sched.h>
+
 #include <atomic>
 #include <chrono>
 #include <cinttypes>
@@ -9,6 +11,7 @@
 #include <thread>
 #include <type_traits>
 
+#include <sched.h>
 #include <unistd.h>
 #include "core/copy_pool.h"  // usable_cpus
 #include "core/errors.h"
@@ -98,8 +101,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr int64_t kLivenessCheckNs = 50 * 1000 * 1000;  // Writer checks lagging readers this often.
-constexpr int64_t kSpinNs = 20 * 1000;                  // Reader spins this long before sleeping.
-constexpr int64_t kWriterCheckNs = 100 * 1000 * 1000;   // A waiting reader probes the writer.
+// A reader spins only this long after its last message (see RingReader in ring.h).
+constexpr int64_t kBusyWindowNs = 50 * 1000 * 1000;
+constexpr int64_t kWriterCheckNs = 100 * 1000 * 1000;  // A waiting reader probes the writer.
 constexpr int64_t kMaxFiniteTimeoutNs = int64_t{1} << 60;
 
 int64_t now_ns() {
@@ -481,7 +485,9 @@ RingReader::RingReader(void* base, size_t bytes, uint32_t rank, const TokenFile&
   stride_ = t.stride;
   // Spinning only pays with a CPU to spare for every reader and the writer: the CPUs this
   // process may use (affinity mask, cgroup quota), not every CPU of the host.
-  spin_ = usable_cpus() > config_.n_readers + 1;
+  const unsigned cpus = usable_cpus();
+  spin_ = cpus >= config_.n_readers + 1;
+  spin_pause_ = cpus > config_.n_readers + 1;
 
   const uint64_t me = static_cast<uint64_t>(owner_pid_);
   try {
@@ -569,14 +575,34 @@ RingReader::Status RingReader::acquire(int64_t timeout_ns, const uint8_t** data,
   };
 
   Status status = Status::kOk;
-  if (!ready(std::memory_order_acquire)) {
+  if (ready(std::memory_order_acquire)) {
+    ++wait_stats_.ready;
+  } else {
     const Deadline deadline(timeout_ns);
-    if (spin_) {
-      const int64_t spin_end = now_ns() + kSpinNs;
-      for (uint32_t i = 1; !ready(std::memory_order_acquire); ++i) {
-        cpu_relax();
-        if (i % 64 == 0 && now_ns() >= spin_end) break;
+    bool slept = false;
+    const int64_t start = spin_ ? now_ns() : 0;
+    int64_t spin_end = last_read_ns_ + kBusyWindowNs;
+    if (spin_ && start < spin_end) {
+      // Until the busy window closes, the deadline passes or the writer shuts the ring.
+      const int64_t left = deadline.remaining_ns();
+      if (left >= 0 && start + left < spin_end) spin_end = start + left;
+      int64_t now = start;
+      for (uint32_t i = 1; now < spin_end && !ready(std::memory_order_acquire); ++i) {
+        if (spin_pause_) {
+          cpu_relax();
+        } else if (i % 16 == 0) {
+          sched_yield();
+        } else {
+          cpu_relax();
+        }
+        if (i % 64 == 0) {
+          // SYNC POINT: relaxed; only ends the spin early, the loop below re-reads it with
+          // acquire before acting on it.
+          if (header_->shutdown.load(std::memory_order_relaxed) != 0) break;
+          now = now_ns();
+        }
       }
+      wait_stats_.spin_ns += static_cast<uint64_t>(now_ns() - start);
     }
     // The first check is due at once (callers wait in short slices), then every 100 ms.
     int64_t next_writer_check = now_ns();
@@ -617,7 +643,10 @@ RingReader::Status RingReader::acquire(int64_t timeout_ns, const uint8_t** data,
       const bool go = ready(std::memory_order_seq_cst) ||
                       header_->shutdown.load(std::memory_order_seq_cst) != 0;
       try {
-        if (!go) futex_wait(&header_->data_word, word, left);
+        if (!go) {
+          slept = true;
+          futex_wait(&header_->data_word, word, left);
+        }
       } catch (...) {
         // SYNC POINT: relaxed RMW; undoes the announcement above, no data is published by it.
         header_->data_waiters.fetch_sub(1, std::memory_order_relaxed);
@@ -626,8 +655,10 @@ RingReader::Status RingReader::acquire(int64_t timeout_ns, const uint8_t** data,
       // SYNC POINT: relaxed RMW; a stale count only costs the writer a spurious wake.
       header_->data_waiters.fetch_sub(1, std::memory_order_relaxed);
     }
+    if (status == Status::kOk) ++(slept ? wait_stats_.slept : wait_stats_.spun);
   }
   if (status != Status::kOk) return status;
+  last_read_ns_ = now_ns();
   // Read once and checked against the private copy of the geometry: a corrupted length must
   // never send the caller past the chunk (and the mapping).
   const uint64_t n = chunk.nbytes;

@@ -159,7 +159,23 @@ class RingWriter {
   uint64_t liveness_unknown_ = 0;
 };
 
+/// How a RingReader's waits for a message ended (counts since it attached).
+struct RingWaitStats {
+  uint64_t ready = 0;    ///< the message was there at once
+  uint64_t spun = 0;     ///< it came while the reader spun (pause, then sched_yield)
+  uint64_t slept = 0;    ///< the reader slept on the futex at least once
+  uint64_t spin_ns = 0;  ///< time spent spinning, all waits
+};
+
 /// One reader rank of a ring. Not thread-safe: one thread drives it.
+///
+/// Waiting: a reader spins only where every reader and the writer can each have a CPU of
+/// those this process may use (usable_cpus() >= readers + 1): there a futex wake-up (tens of
+/// microseconds on a VM) is the largest cost of a small message, while a spinning reader
+/// takes nobody's CPU. It spins with pause while its neighbours spare a CPU more, else with
+/// sched_yield, and only within kBusyWindowNs of its last message (messages are flowing),
+/// so an idle queue sleeps. Fewer CPUs than that: it sleeps at once (a spinning reader would
+/// take the CPU the writer needs to send).
 class RingReader {
  public:
   enum class Status { kOk, kTimeout, kShutdown, kWriterDead };
@@ -190,6 +206,7 @@ class RingReader {
   const RingConfig& config() const { return config_; }
   /// Whether the writer is alive: kDead only once a writer attached and its token is free.
   Liveness writer_liveness() const;
+  const RingWaitStats& wait_stats() const { return wait_stats_; }
 
  private:
   [[noreturn]] void throw_overrun(uint64_t found) const;
@@ -204,7 +221,10 @@ class RingReader {
   std::unique_ptr<LivenessToken> token_;  // this rank
   pid_t owner_pid_;
   uint32_t rank_;
-  bool spin_;
+  bool spin_;        // every reader and the writer can have a CPU: spin within the window
+  bool spin_pause_;  // and one is spare besides: pause instead of sched_yield
+  int64_t last_read_ns_ = 0;
+  RingWaitStats wait_stats_;
   uint64_t last_seq_ = 0;
   bool acquired_ = false;
 };

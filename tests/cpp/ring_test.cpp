@@ -5,6 +5,7 @@
 // replay a failure. Every forked child ends in _exit() and dies with its parent
 // (PR_SET_PDEATHSIG) or after 30 s (alarm), so no test can leave a process behind or hang.
 #include "core/ring.h"
+#include "core/copy_pool.h"
 
 #include <fcntl.h>
 #include <signal.h>
@@ -482,6 +483,50 @@ TEST_CASE("ring reader times out on an empty ring", "[ring]") {
   CHECK(flags == kRingFlagOverflow);
   CHECK(std::memcmp(data, "hello", 5) == 0);
   sut.release();
+}
+
+TEST_CASE("ring reader spins only while messages flow, and only where the CPUs fit", "[ring]") {
+  RingConfig config = ring_config(1, 4, 64);
+  SharedRing shm(config);
+  RingWriter writer(shm.base(), shm.bytes(), shm.tokens());
+  RingReader sut(shm.base(), shm.bytes(), 0, shm.tokens());
+  const bool fits = usable_cpus() >= 2;  // one reader and the writer
+  const uint8_t* data = nullptr;
+  uint64_t n = 0;
+  uint32_t flags = 0;
+  // No message yet: the busy window is closed, the wait sleeps without spinning.
+  CHECK(sut.acquire(5 * kMs, &data, &n, &flags) == Status::kTimeout);
+  CHECK(sut.wait_stats().spin_ns == 0);
+
+  REQUIRE(writer.acquire(0) != nullptr);
+  writer.publish(1, 0);
+  REQUIRE(sut.acquire(0, &data, &n, &flags) == Status::kOk);
+  sut.release();
+  CHECK(sut.wait_stats().ready == 1);
+
+  // Right after a message: a message published 2 ms into the wait is caught spinning.
+  std::thread publisher([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    REQUIRE(writer.acquire(kLongNs) != nullptr);
+    writer.publish(1, 0);
+  });
+  REQUIRE(sut.acquire(kLongNs, &data, &n, &flags) == Status::kOk);
+  sut.release();
+  publisher.join();
+  const RingWaitStats after = sut.wait_stats();
+  CHECK(after.spun + after.slept == 1);
+  if (fits) {
+    CHECK(after.spun == 1);
+    CHECK(after.spin_ns > 0);
+  } else {
+    CHECK(after.slept == 1);
+    CHECK(after.spin_ns == 0);
+  }
+
+  // Idle for longer than the busy window: the next wait sleeps at once again.
+  std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  CHECK(sut.acquire(5 * kMs, &data, &n, &flags) == Status::kTimeout);
+  CHECK(sut.wait_stats().spin_ns == after.spin_ns);
 }
 
 TEST_CASE("ring shutdown wakes a reader blocked in another process", "[ring]") {
