@@ -4,7 +4,7 @@ SHELL := /bin/bash
 CLANG_FORMAT := .venv/bin/clang-format
 CXX_SOURCES = $(shell find csrc tests/cpp tests/fake_cudart benchmarks -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: bootstrap bench bench-copy bench-full bench-vs-vllm bench-multinode test test-steps lint cpp-test py-test stress sanitize tsan asan gpu-check gpu-bundle vllm-test vllm-queue-tests serve-test serve-multinode-test format
+.PHONY: bootstrap bench bench-copy bench-full bench-vs-vllm bench-multinode bench-remote-publish test test-steps lint cpp-test py-test stress sanitize tsan asan gpu-check gpu-bundle vllm-test vllm-queue-tests serve-test serve-multinode-test format
 .PHONY: wheel compat-test install-test
 
 bootstrap:
@@ -22,6 +22,9 @@ bench-copy: bootstrap
 # writes benchmarks/results/multinode/.
 bench-multinode: bootstrap
 	$(PY) benchmarks/bench_multinode.py
+
+bench-remote-publish: bootstrap
+	$(PY) benchmarks/bench_remote_publish.py
 
 bench-full: bootstrap
 	$(PY) benchmarks/broadcast_ab.py --full

@@ -485,9 +485,7 @@ RingReader::RingReader(void* base, size_t bytes, uint32_t rank, const TokenFile&
   stride_ = t.stride;
   // Spinning only pays with a CPU to spare for every reader and the writer: the CPUs this
   // process may use (affinity mask, cgroup quota), not every CPU of the host.
-  const unsigned cpus = usable_cpus();
-  spin_ = cpus >= config_.n_readers + 1;
-  spin_pause_ = cpus > config_.n_readers + 1;
+  spin_pause_ = usable_cpus() > config_.n_readers + 1;
 
   const uint64_t me = static_cast<uint64_t>(owner_pid_);
   try {
@@ -580,9 +578,9 @@ RingReader::Status RingReader::acquire(int64_t timeout_ns, const uint8_t** data,
   } else {
     const Deadline deadline(timeout_ns);
     bool slept = false;
-    const int64_t start = spin_ ? now_ns() : 0;
+    const int64_t start = now_ns();
     int64_t spin_end = last_read_ns_ + kBusyWindowNs;
-    if (spin_ && start < spin_end) {
+    if (start < spin_end) {
       // Until the busy window closes, the deadline passes or the writer shuts the ring.
       const int64_t left = deadline.remaining_ns();
       if (left >= 0 && start + left < spin_end) spin_end = start + left;
@@ -590,10 +588,8 @@ RingReader::Status RingReader::acquire(int64_t timeout_ns, const uint8_t** data,
       for (uint32_t i = 1; now < spin_end && !ready(std::memory_order_acquire); ++i) {
         if (spin_pause_) {
           cpu_relax();
-        } else if (i % 16 == 0) {
-          sched_yield();
         } else {
-          cpu_relax();
+          sched_yield();  // the CPU goes to whoever needs it (the writer, a busy reader)
         }
         if (i % 64 == 0) {
           // SYNC POINT: relaxed; only ends the spin early, the loop below re-reads it with

@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 
 import torch
-from mq_helpers import ready_in_threads
+from mq_helpers import ready_in_threads, wait_until
 
 from vllm_shm_arena import MessageQueue
 from vllm_shm_arena._ext import _C
@@ -31,6 +31,7 @@ def test_overflow_frames_reuse_warm_buffers_and_never_alias_the_caller(writers):
     returns never reaches the reader."""
     mq, r = _queue(writers, max_chunk_bytes=1 * MiB)
     t = torch.empty(4 * MiB, dtype=torch.uint8)
+    in_use = _C.frame_pool_stats()["in_use_bytes"]
     start = None
     for k in range(6):
         t.fill_(k)
@@ -40,6 +41,11 @@ def test_overflow_frames_reuse_warm_buffers_and_never_alias_the_caller(writers):
         assert got["k"] == k
         assert int(got["t"].min()) == k == int(got["t"].max())
         del got
+        # ZeroMQ's I/O thread gives the frame back once written, maybe after the reader has
+        # the message: wait for it, so the next take finds it idle.
+        wait_until(
+            lambda: _C.frame_pool_stats()["in_use_bytes"] == in_use, 10, "the frame given back"
+        )
         if k == 1:
             start = _C.frame_pool_stats()
     end = _C.frame_pool_stats()
