@@ -37,8 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import harness as ab  # noqa: E402  (benchmarks/, beside this file)
 
-from vllm_shm_arena import MessageQueue  # noqa: E402
-from vllm_shm_arena import pickler  # noqa: E402
+from vllm_shm_arena import (
+    MessageQueue,  # noqa: E402
+    pickler,  # noqa: E402
+)
 from vllm_shm_arena._ext import _C  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
