@@ -6,8 +6,7 @@
 // serves every allocation above its mmap threshold (32 MiB at most) with a fresh mapping, so
 // copying a 200 MiB frame into a new allocation faulted in ~51,000 pages each time (~127 ms,
 // against ~17 ms for a copy into memory already touched). A buffer of this pool is mapped
-// once (asking for transparent huge pages, so even that first touch faults 2 MiB at a time
-// where the kernel allows it), kept when given back, and handed out again warm.
+// and faulted in once, kept when given back, and handed out again warm.
 //
 //   take(n)       an idle buffer of capacity in [n, fit_limit(n)] (the smallest such), else a
 //                 new mapping of n rounded up to kGranule
