@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "bindings/gil.h"
+#include "bindings/message_bindings.h"
 #include "core/call_lock.h"
 #include "core/copy_pool.h"
 #include "core/frame_pool.h"
@@ -208,61 +209,122 @@ class ZmqFrame {
   bool open_ = false;
 };
 
+namespace {
+
+/// Sends `len` bytes at `src` as one frame of a message on `sock`, copied: into a warm buffer
+/// of the frame pool from kPooledFrameMinBytes on (ZeroMQ gives it back through zmq_free once
+/// every subscriber's copy is written), else by zmq_send's own copy. -1 with `*err` set when
+/// the socket did not take it; an interrupted frame is retried unless `first` (nothing of
+/// the message went: the caller may raise).
+int send_one(const ZmqApi& z, void* sock, const void* src, size_t len, int flags, bool first,
+             int* err) {
+  int rc = -1;
+  if (len < kPooledFrameMinBytes) {
+    for (;;) {
+      rc = z.send(sock, src, len, flags);
+      if (rc >= 0) return rc;
+      *err = z.errno_();
+      if (*err != EINTR || first) return rc;  // a first frame interrupted: nothing went
+    }
+  }
+  with_nogil([&] {
+    FrameBuffer* buf = FramePool::process().take(len);
+    parallel_copy(buf->data, src, len);
+    ZmqMsg msg;
+    z.msg_init_data(&msg, buf->data, len, &FramePool::zmq_free, buf);
+    for (;;) {
+      rc = z.msg_send(&msg, sock, flags);
+      if (rc >= 0) return;
+      *err = z.errno_();
+      if (*err != EINTR || first) break;
+    }
+    z.msg_close(&msg);  // not sent: the buffer goes back to the pool
+  });
+  return rc;
+}
+
+}  // namespace
+
 /// Sends `frames` as one message on the libzmq socket `handle` (pyzmq's Socket.underlying),
-/// copied. `first_flags` go with the first frame, `more` with every frame but the last. After
-/// each frame the socket took, progress[0] is its count, in this same C call: whatever this
-/// raises, progress says exactly how much went. The first frame may fail (zmq.Again: nothing
-/// went); a later one is retried through EINTR, so a message never stops half-way for a
-/// signal.
+/// copied. `first_flags` go with the first frame, `more` with every frame but the last. An
+/// out-of-band buffer (frame 2 on) longer than `split_above` goes as frames of `part_bytes`
+/// (> 0), the last one shorter (protocol.py's split table says so to the reader). After each frame
+/// the socket took whole (all its parts), progress[0] is its count, in this same C call: whatever
+/// this raises, progress says exactly how much went. The first frame may fail (zmq.Again:
+/// nothing went); a later one is retried through EINTR, so a message never stops half-way
+/// for a signal.
 void send_frames(uintptr_t handle, const py::list& frames, int first_flags, int more,
-                 const py::list& progress) {
+                 const py::list& progress, uint64_t part_bytes, uint64_t split_above) {
   const ZmqApi& z = zmq_api();
   void* sock = reinterpret_cast<void*>(handle);
   if (sock == nullptr) raise_zmq_error(ENOTSOCK);
   if (progress.size() < 1) throw py::value_error("progress must have one item");
+  if (part_bytes == 0) throw py::value_error("part_bytes must be > 0");
   progress[0] = 0;
   const size_t n = frames.size();
   for (size_t i = 0; i < n; ++i) {
-    int flags = (i + 1 < n) ? more : 0;
-    if (i == 0) flags |= first_flags;
     Py_buffer view;
     if (PyObject_GetBuffer(frames[i].ptr(), &view, PyBUF_SIMPLE) != 0)
       throw py::error_already_set();
-    int rc = -1;
-    int err = 0;
+    const auto* p = static_cast<const uint8_t*>(view.buf);
     const size_t len = static_cast<size_t>(view.len);
-    if (len >= kPooledFrameMinBytes) {
-      // A large frame: copied (GIL released) into a warm buffer of the frame pool, which
-      // ZeroMQ gives back once every subscriber's copy is written (zmq_free, on its thread).
-      try {
-        with_nogil([&] {
-          FrameBuffer* buf = FramePool::process().take(len);
-          parallel_copy(buf->data, view.buf, len);
-          ZmqMsg msg;
-          z.msg_init_data(&msg, buf->data, len, &FramePool::zmq_free, buf);
-          for (;;) {
-            rc = z.msg_send(&msg, sock, flags);
-            if (rc >= 0) return;
-            err = z.errno_();
-            if (err != EINTR || i == 0) break;  // a first frame interrupted: nothing went
-          }
-          z.msg_close(&msg);  // not sent: the buffer goes back to the pool
-        });
-      } catch (...) {
-        PyBuffer_Release(&view);
-        throw;
-      }
-    } else {
-      for (;;) {
-        rc = z.send(sock, view.buf, len, flags);
-        if (rc >= 0) break;
-        err = z.errno_();
-        if (err != EINTR || i == 0) break;  // a first frame interrupted: nothing went
-      }
+    const size_t part = (i >= 2 && len > split_above) ? static_cast<size_t>(part_bytes) : len;
+    size_t off = 0;
+    int rc = 0;
+    int err = 0;
+    try {
+      do {
+        const size_t chunk = std::min(part, len - off);
+        const bool last_part = off + chunk == len;
+        int flags = (i + 1 < n || !last_part) ? more : 0;
+        if (i == 0) flags |= first_flags;
+        rc = send_one(z, sock, p + off, chunk, flags, i == 0, &err);
+        if (rc < 0) break;
+        off += chunk;
+      } while (off < len);
+    } catch (...) {
+      PyBuffer_Release(&view);
+      throw;
     }
     PyBuffer_Release(&view);
     if (rc < 0) raise_zmq_error(err);
     progress[0] = i + 1;
+  }
+}
+
+/// The parts of one split buffer (protocol.py's split table), joined into one warm buffer of
+/// the frame pool (GIL released for the copy).
+std::shared_ptr<PoolFrame> join_frames(const py::list& parts) {
+  std::vector<Py_buffer> views;
+  views.reserve(parts.size());
+  auto release = [&] {
+    for (Py_buffer& v : views) PyBuffer_Release(&v);
+  };
+  size_t total = 0;
+  try {
+    for (const py::handle& h : parts) {
+      Py_buffer v;
+      if (PyObject_GetBuffer(h.ptr(), &v, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+      views.push_back(v);
+      const size_t len = static_cast<size_t>(v.len);
+      if (total + len < total) throw py::value_error("join_frames: parts overflow a size");
+      total += len;
+    }
+    if (total == 0) throw py::value_error("join_frames: nothing to join");
+    std::shared_ptr<PoolFrame> out;
+    with_nogil([&] {
+      out = std::make_shared<PoolFrame>(FramePool::process().take(total), total);
+      size_t off = 0;
+      for (const Py_buffer& v : views) {
+        parallel_copy(out->data() + off, v.buf, static_cast<size_t>(v.len));
+        off += static_cast<size_t>(v.len);
+      }
+    });
+    release();
+    return out;
+  } catch (...) {
+    release();
+    throw;
   }
 }
 
@@ -369,7 +431,9 @@ void bind_call_safety(py::module_& m) {
       .def("__len__", &ZmqFrame::size);
   // One message's frames on libzmq socket `handle` (Socket.underlying), progress[0] = taken.
   m.def("send_frames", &send_frames, py::arg("handle"), py::arg("frames"), py::arg("first_flags"),
-        py::arg("more"), py::arg("progress"));
+        py::arg("more"), py::arg("progress"), py::arg("part_bytes"), py::arg("split_above"));
+  // A split buffer's parts joined into one frame-pool buffer -> PoolFrame.
+  m.def("join_frames", &join_frames, py::arg("parts"));
   // One message's frames from libzmq socket `handle` -> [ZmqFrame, ...].
   m.def("recv_frames", &recv_frames, py::arg("handle"), py::arg("flags"));
   // container[key] = fn(*args) / sink.append(fn(*args)), each in one C call.

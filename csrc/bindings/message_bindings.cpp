@@ -84,27 +84,6 @@ FrameSpans frame_spans(const py::list& frames, FrameViews& views) {
   return spans;
 }
 
-}  // namespace
-
-/// A frame copied out into a warm buffer of the frame pool (frame_pool.h), read as a writable
-/// buffer (tensors may alias it, keeping it alive); the buffer goes back to the pool with the
-/// last reference.
-class PoolFrame {
- public:
-  PoolFrame(FrameBuffer* buf, size_t size) : buf_(buf), size_(size) {}
-  PoolFrame(const PoolFrame&) = delete;
-  PoolFrame& operator=(const PoolFrame&) = delete;
-  ~PoolFrame() { FramePool::process().give_back(buf_); }
-  uint8_t* data() const { return buf_->data; }
-  size_t size() const { return size_; }
-
- private:
-  FrameBuffer* buf_;
-  size_t size_;
-};
-
-namespace {
-
 /// The frames `spans` names (parsed by parse_frames, so each length is a checked private copy)
 /// copied out into objects the caller owns for good: bytearrays, or PoolFrames from
 /// kPooledFrameMinBytes on (a fresh allocation of that size would fault its pages in on the

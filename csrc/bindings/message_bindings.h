@@ -1,7 +1,7 @@
 // The Python side of messages: the ring's two ends (_C.MessageRingWriter, _C.MessageRingReader, the
 // RING_FLAG_* constants) and the arena blob a message too big for a chunk goes into. The
 // segment, the protocol and the framing are the core's (core/message_ring.h, core/frames.h);
-// this layer only takes Python buffers in and hands bytearrays out.
+// this layer only takes Python buffers in and hands bytearrays (or PoolFrames) out.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -11,8 +11,26 @@
 #include <tuple>
 
 #include "core/arena.h"
+#include "core/frame_pool.h"
 
 namespace vllm_shm_arena {
+
+/// A frame copied out into a warm buffer of the frame pool (frame_pool.h), read as a writable
+/// buffer (tensors may alias it, keeping it alive); the buffer goes back to the pool with the
+/// last reference. _C.PoolFrame.
+class PoolFrame {
+ public:
+  PoolFrame(FrameBuffer* buf, size_t size) : buf_(buf), size_(size) {}
+  PoolFrame(const PoolFrame&) = delete;
+  PoolFrame& operator=(const PoolFrame&) = delete;
+  ~PoolFrame() { FramePool::process().give_back(buf_); }
+  uint8_t* data() const { return buf_->data; }
+  size_t size() const { return size_; }
+
+ private:
+  FrameBuffer* buf_;
+  size_t size_;
+};
 
 /// Defines RingWriter, RingReader and RING_FLAG_{OVERFLOW,NO_SPACE,BLOB} on `m`.
 void bind_messages(pybind11::module_& m);

@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <new>
 #include <vector>
@@ -19,7 +20,7 @@ size_t round_up(size_t n) {
 }  // namespace
 
 FramePool::FramePool(uint64_t max_idle_bytes, std::chrono::milliseconds max_idle_age)
-    : max_idle_bytes_(max_idle_bytes), max_idle_age_(max_idle_age) {}
+    : max_idle_bytes_(max_idle_bytes), max_idle_age_(max_idle_age), pid_(getpid()) {}
 
 FramePool::~FramePool() {
   for (auto& [cap, b] : idle_) unmap(b);
@@ -65,6 +66,7 @@ FrameBuffer* FramePool::take(size_t bytes) {
   b->data = static_cast<uint8_t*>(p);
   b->capacity = cap;
   std::lock_guard<std::mutex> lock(mu_);
+  b->owner = pid_;
   stats_.mapped++;
   stats_.in_use_bytes += cap;
   return b;
@@ -76,9 +78,16 @@ void FramePool::give_back(FrameBuffer* b) noexcept {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.in_use_bytes -= b->capacity;
-    b->idle_since = std::chrono::steady_clock::now();
-    idle_.emplace(b->capacity, b);
-    stats_.idle_bytes += b->capacity;
+    if (b->owner != pid_) {
+      // Mapped before a fork, in the parent: here its pages are copy-on-write, so reusing
+      // it would fault each one in again with a copy. Unmapped instead.
+      stats_.unmapped++;
+      excess.emplace(b->capacity, b);
+    } else {
+      b->idle_since = std::chrono::steady_clock::now();
+      idle_.emplace(b->capacity, b);
+      stats_.idle_bytes += b->capacity;
+    }
     collect_excess(excess);
   }
   for (auto& [cap, e] : excess) unmap(e);
@@ -141,6 +150,15 @@ void FramePool::reset_after_fork() noexcept {
   // The mutex may be held by a thread that does not exist here: a fresh one in its place
   // (std::mutex has a constexpr constructor and, on this platform, nothing to destroy).
   new (&mu_) std::mutex();
+  pid_ = getpid();
+  // The idle buffers are the parent's, copy-on-write here: reusing one would fault every
+  // page in again with a copy. Unmapped (this child's view of them only).
+  for (auto& [cap, b] : idle_) {
+    stats_.unmapped++;
+    unmap(b);
+  }
+  idle_.clear();
+  stats_.idle_bytes = 0;
 }
 
 FramePool& FramePool::process() {

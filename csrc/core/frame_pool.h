@@ -21,11 +21,13 @@
 // Threads: take and give_back may run on any thread (ZeroMQ's I/O thread gives buffers back
 // through zmq_free). One mutex guards the idle list; mmap and munmap run outside it.
 //
-// Fork: a child gets a copy of the idle list (its buffers are mapped in the child too, copy
-// on write) and a mutex made fresh by a pthread_atfork handler, in case another thread held
-// it at fork. Buffers ZeroMQ held in the parent are never given back in the child (its
-// ZeroMQ context is the parent's), so they are simply never reused there.
+// Fork: a pthread_atfork handler makes the mutex fresh in the child (another thread may have
+// held it at fork) and unmaps the idle buffers there: they are the parent's, copy-on-write in
+// the child, and reusing one would fault every page in again with a copy. A buffer the child
+// inherited in use (a frame a tensor holds) is unmapped when given back there, never reused.
 #pragma once
+
+#include <sys/types.h>
 
 #include <chrono>
 #include <cstddef>
@@ -44,6 +46,7 @@ struct FrameBuffer {
   uint8_t* data = nullptr;
   size_t capacity = 0;
   std::chrono::steady_clock::time_point idle_since{};
+  pid_t owner = 0;  ///< the process that mapped it (a forked child never reuses its parent's)
 };
 
 /// Counters of a FramePool.
@@ -103,6 +106,7 @@ class FramePool {
   uint64_t max_idle_bytes_;
   std::chrono::milliseconds max_idle_age_;
   FramePoolStats stats_;
+  pid_t pid_;  // this process (set again in a forked child)
 };
 
 }  // namespace vllm_shm_arena

@@ -135,3 +135,32 @@ TEST_CASE("a forked child uses the pool whatever the parent's threads held", "[f
   CHECK(WEXITSTATUS(status) == 0);
   sut.give_back(held);
 }
+
+TEST_CASE("a forked child never reuses its parent's buffers (copy-on-write there)",
+          "[frame_pool]") {
+  FramePool& sut = FramePool::process();
+  sut.give_back(sut.take(3 * MiB));  // idle in the parent
+  FrameBuffer* held = sut.take(5 * MiB);
+  held->data[0] = 7;
+  REQUIRE(sut.stats().idle_bytes > 0);
+  pid_t pid = fork();
+  if (pid == 0) {
+    FramePool& pool = FramePool::process();
+    vllm_shm_arena::FramePoolStats s = pool.stats();
+    if (s.idle_bytes != 0) _exit(1);
+    FrameBuffer* b = pool.take(3 * MiB);  // a new mapping, not the parent's idle buffer
+    if (pool.stats().mapped != s.mapped + 1) _exit(2);
+    pool.give_back(b);
+    if (pool.stats().idle_bytes == 0) _exit(3);  // this child's own buffer is kept
+    const uint64_t unmapped = pool.stats().unmapped;
+    pool.give_back(held);  // inherited in use: unmapped, not kept
+    if (pool.stats().unmapped != unmapped + 1) _exit(4);
+    _exit(0);
+  }
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid);
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
+  CHECK(held->data[0] == 7);  // the parent's buffer is untouched
+  sut.give_back(held);
+}

@@ -22,10 +22,16 @@ reader acts on from a socket is sealed by the writer with a MAC keyed by the han
 (``Keys.mac_key``, which never travels on any connection) over the frame and the message's
 sequence number, and the reader checks it before anything is unpickled:
 
-    frame 0 on a socket   MAC (16 bytes) | sequence number (<Q) | the arena slots
-                          MAC = keyed BLAKE2b over (sequence number, slots, frame count,
-                          the pickle stream); the out-of-band buffers are raw bytes that are
-                          never unpickled, so they need none
+    frame 0 on a socket   MAC (16 bytes) | sequence number (<Q) | split table | the arena
+                          slots
+                          MAC = keyed BLAKE2b over (sequence number, split table, slots,
+                          frame count on the wire, the pickle stream); the out-of-band
+                          buffers are raw bytes that are never unpickled, so they need none
+    split table           count (<I), then per out-of-band buffer longer than
+                          SOCKET_SPLIT_ABOVE: its frame index and its number of parts (<II);
+                          such a buffer goes on the wire as that many frames of
+                          SOCKET_PART_BYTES (the last one shorter or equal), which the reader
+                          joins into one buffer
     READY                 READY_FRAME | MAC of the queue's READY
     SHUTDOWN              SHUTDOWN_FRAME | the last sequence number sent (<Q) | its MAC
 
@@ -63,6 +69,14 @@ BLOB_FLAGS = FLAG_OVERFLOW | FLAG_BLOB
 #: The one frame of a blob marker: the blob's slot, generation and bytes.
 BLOB_MARKER = struct.Struct("<QQQ")
 
+#: Out-of-band buffers longer than SOCKET_SPLIT_ABOVE go on a socket in parts of
+#: SOCKET_PART_BYTES. Why: a receiver's ZeroMQ allocates each frame whole, and glibc maps an
+#: allocation above 32 MiB (its largest mmap threshold) afresh each time, faulting its pages
+#: in as the kernel writes them (a 200 MiB frame: ~51,000 faults, about as long as the
+#: transfer); parts of 16 MiB come from the heap, kept warm by the reader's heap anchor
+#: (transport.py), and the reader joins them into a warm buffer of its frame pool.
+SOCKET_SPLIT_ABOVE = 32 << 20
+SOCKET_PART_BYTES = 16 << 20
 #: Bytes of a queue's secret (``Handle.secret``).
 SECRET_BYTES = 32
 #: Bytes of a frame's MAC (128 bits).
@@ -185,12 +199,32 @@ def _mac(key: bytes, person: bytes, *parts) -> bytes:
 
 
 _NFRAMES = struct.Struct("<I")
+_SPLIT = struct.Struct("<II")
+
+
+def parts_of(nbytes: int) -> int:
+    """The frames an out-of-band buffer of ``nbytes`` takes on a socket."""
+    return 1 if nbytes <= SOCKET_SPLIT_ABOVE else -(-nbytes // SOCKET_PART_BYTES)
+
+
+def split_table(frames: list) -> tuple[bytes, int]:
+    """The split table of ``frames`` (see the module docstring) and their count on the wire."""
+    entries = []
+    wire = len(frames)
+    for i in range(2, len(frames)):
+        n = parts_of(memoryview(frames[i]).nbytes)
+        if n > 1:
+            entries.append(_SPLIT.pack(i, n))
+            wire += n - 1
+    return _NFRAMES.pack(len(entries)) + b"".join(entries), wire
 
 
 def seal(key: bytes, seq: int, frames: list) -> bytes:
-    """Frame 0 of ``frames`` as sent on a socket: MAC, sequence number, the arena slots."""
-    head = SEQ.pack(seq) + bytes(frames[0])
-    return _mac(key, b"vsa-message", head, _NFRAMES.pack(len(frames)), frames[1]) + head
+    """Frame 0 of ``frames`` as sent on a socket: MAC, sequence number, split table, the arena
+    slots."""
+    table, wire = split_table(frames)
+    head = SEQ.pack(seq) + table + bytes(frames[0])
+    return _mac(key, b"vsa-message", head, _NFRAMES.pack(wire), frames[1]) + head
 
 
 class Forged(RuntimeError):
@@ -205,16 +239,35 @@ class Forged(RuntimeError):
         )
 
 
-def unseal(key: bytes, frames: list) -> tuple[int, memoryview]:
-    """Checks a message's frames from a socket -> (sequence number, frame 0 without the sealed
-    head); ``Forged`` unless the writer sealed them."""
+def unseal(key: bytes, frames: list) -> tuple[int, list]:
+    """Checks a message's frames from a socket -> (sequence number, its frames as the writer
+    had them: frame 0 without the sealed head, split buffers joined); ``Forged`` unless the
+    writer sealed them."""
     head = memoryview(frames[0])
-    if len(head) < SEALED_HEAD or len(frames) < 2:
+    if len(head) < SEALED_HEAD + _NFRAMES.size or len(frames) < 2:
         raise Forged("a message of a shape the writer never sends")
     want = _mac(key, b"vsa-message", head[MAC_BYTES:], _NFRAMES.pack(len(frames)), frames[1])
     if not hmac.compare_digest(want, head[:MAC_BYTES]):
         raise Forged("a message")
-    return SEQ.unpack_from(head, MAC_BYTES)[0], head[SEALED_HEAD:]
+    seq = SEQ.unpack_from(head, MAC_BYTES)[0]
+    (count,) = _NFRAMES.unpack_from(head, SEALED_HEAD)
+    at = SEALED_HEAD + _NFRAMES.size
+    if count > len(frames) or len(head) < at + count * _SPLIT.size:
+        raise Forged("a message with a split table it does not hold")
+    out = [head[at + count * _SPLIT.size :], frames[1]]
+    k = 2  # the next frame on the wire
+    for j in range(count):
+        i, n = _SPLIT.unpack_from(head, at + j * _SPLIT.size)
+        gap = i - len(out)  # frames before buffer i, not split
+        # Sealed by the writer, so never wrong; checked all the same, never trusted.
+        if gap < 0 or n < 2 or k + gap + n > len(frames):
+            raise Forged("a message whose split table does not match its frames")
+        out.extend(frames[k : k + gap])
+        k += gap
+        out.append(_C.join_frames(frames[k : k + n]))  # a warm frame-pool buffer
+        k += n
+    out.extend(frames[k:])
+    return seq, out
 
 
 def ready_frame(key: bytes) -> bytes:

@@ -1,17 +1,21 @@
-"""The frame pool (csrc/core/frame_pool.h) as the queue uses it: socket frames of 1 MiB and
-more are copied into warm buffers that are reused, the caller's memory is never aliased after
-enqueue returns, and frames a reader copies out of the ring are pool buffers the tensors keep
-alive. The pool's own bounds and fork handling are tests/cpp/frame_pool_test.cpp's."""
+"""Large frames: the frame pool (csrc/core/frame_pool.h) as the queue uses it (socket frames
+of 1 MiB and more are copied into warm buffers that are reused, the caller's memory is never
+aliased after enqueue returns, frames a reader copies out of the ring are pool buffers the
+tensors keep alive), and buffers above protocol.SOCKET_SPLIT_ABOVE sent in parts and joined.
+The pool's own bounds and fork handling are tests/cpp/frame_pool_test.cpp's."""
 
 from __future__ import annotations
 
 import gc
+import struct
 
+import pytest
 import torch
 from mq_helpers import ready_in_threads, wait_until
 
 from vllm_shm_arena import MessageQueue
 from vllm_shm_arena._ext import _C
+from vllm_shm_arena.mq import protocol
 
 MiB = 1 << 20
 
@@ -80,3 +84,64 @@ def test_no_idle_buffers_are_kept_when_the_bound_is_zero(writers):
         assert _C.frame_pool_stats()["idle_bytes"] == 0
     finally:
         _C.set_frame_pool_max_idle_bytes(before)
+
+
+# ------------------------------------------------------------------ buffers split on the wire
+def _wire(frames: list) -> list:
+    """``frames`` (frame 0 sealed) as send_frames puts them on a socket."""
+    out = list(frames[:2])
+    for f in frames[2:]:
+        n = memoryview(f).nbytes
+        if protocol.parts_of(n) == 1:
+            out.append(f)
+            continue
+        mv = memoryview(f)
+        out += [
+            mv[o : o + protocol.SOCKET_PART_BYTES] for o in range(0, n, protocol.SOCKET_PART_BYTES)
+        ]
+    return out
+
+
+def test_a_buffer_above_the_split_size_is_sent_in_parts_and_joined():
+    keys = protocol.Keys(b"s" * protocol.SECRET_BYTES)
+    big = bytes(range(256)) * ((protocol.SOCKET_SPLIT_ABOVE + 5 * MiB) // 256)
+    small = b"x" * MiB
+    frames = [b"", b"pickle", small, big, small]
+    sealed = [protocol.seal(keys.mac_key, 9, frames), *frames[1:]]
+    wire = _wire(sealed)
+    assert len(wire) == len(frames) + protocol.parts_of(len(big)) - 1
+    seq, got = protocol.unseal(keys.mac_key, wire)
+    assert seq == 9
+    assert [bytes(g) for g in got] == [b"", b"pickle", small, big, small]
+
+
+def test_a_split_table_that_does_not_match_the_frames_is_refused_not_trusted():
+    """Sealed with the right key (only the writer could), but naming more parts than came:
+    Forged, never an IndexError or a short buffer."""
+    keys = protocol.Keys(b"s" * protocol.SECRET_BYTES)
+    table = struct.pack("<I", 1) + struct.pack("<II", 2, 9)  # frame 2 in 9 parts
+    head = protocol.SEQ.pack(1) + table
+    wire = [b"", b"pickle", b"a" * 10, b"b" * 10]
+    mac = protocol._mac(keys.mac_key, b"vsa-message", head, struct.pack("<I", 4), wire[1])
+    wire[0] = mac + head
+    with pytest.raises(protocol.Forged, match="split table"):
+        protocol.unseal(keys.mac_key, wire)
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local socket", "tcp"])
+def test_a_tensor_above_the_split_size_arrives_whole(writers, remote):
+    """Arena off, 40 MiB: split on the wire, joined by the reader, every byte checked."""
+    n_local = 0 if remote else 1
+    mq = MessageQueue(
+        1, n_local, list(range(n_local)), connect_ip="127.0.0.1", enable_shm_tensor_arena=False
+    )
+    writers(mq)
+    r = MessageQueue.create_from_handle(mq.export_handle(), 0)
+    writers(r)
+    ready_in_threads(mq, [r])
+    t = torch.arange(10 * MiB, dtype=torch.int32)  # 40 MiB, every word distinct
+    for k in range(3):
+        mq.enqueue({"t": t + k, "k": k}, timeout=30)
+        got = r.dequeue(timeout=30)
+        assert got["k"] == k
+        assert torch.equal(got["t"], t + k)

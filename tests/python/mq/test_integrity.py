@@ -67,13 +67,13 @@ def _hook_send(sock, hook):
     real = transport._send_frames
     handle = sock.underlying
 
-    def send_frames(h, frames, first_flags, more, progress):
+    def send_frames(h, frames, first_flags, more, progress, part_bytes, split_above):
         if h != handle:
-            return real(h, frames, first_flags, more, progress)
+            return real(h, frames, first_flags, more, progress, part_bytes, split_above)
         progress[0] = 0
         for i, f in enumerate(frames):
             flags = (first_flags if i == 0 else 0) | (more if i + 1 < len(frames) else 0)
-            hook(lambda fr, fl: real(h, [fr], fl, 0, [0]), f, flags)
+            hook(lambda fr, fl: real(h, [fr], fl, 0, [0], part_bytes, split_above), f, flags)
             progress[0] = i + 1
 
     transport._send_frames = send_frames
