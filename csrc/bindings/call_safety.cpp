@@ -313,7 +313,7 @@ std::shared_ptr<PoolFrame> join_frames(const py::list& parts) {
     if (total == 0) throw py::value_error("join_frames: nothing to join");
     std::shared_ptr<PoolFrame> out;
     with_nogil([&] {
-      out = std::make_shared<PoolFrame>(FramePool::process().take(total), total);
+      out = PoolFrame::take(total);
       size_t off = 0;
       for (const Py_buffer& v : views) {
         parallel_copy(out->data() + off, v.buf, static_cast<size_t>(v.len));

@@ -106,8 +106,7 @@ py::list frames_copied_out(const FrameSpans& spans) {
     with_gated_nogil([&] {
       for (size_t i = 0; i < n; ++i) {
         if (spans[i].len < kPooledFrameMinBytes) continue;
-        const size_t len = static_cast<size_t>(spans[i].len);
-        pooled[i] = std::make_shared<PoolFrame>(FramePool::process().take(len), len);
+        pooled[i] = PoolFrame::take(static_cast<size_t>(spans[i].len));
         dst[i] = pooled[i]->data();
       }
       for (size_t i = 0; i < n; ++i) {

@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <tuple>
 
@@ -21,6 +22,17 @@ namespace vllm_shm_arena {
 class PoolFrame {
  public:
   PoolFrame(FrameBuffer* buf, size_t size) : buf_(buf), size_(size) {}
+  /// A frame of `size` bytes in a buffer of the process pool (given back if the wrapper
+  /// cannot be made). Any thread; no GIL needed.
+  static std::shared_ptr<PoolFrame> take(size_t size) {
+    FrameBuffer* buf = FramePool::process().take(size);
+    try {
+      return std::make_shared<PoolFrame>(buf, size);
+    } catch (...) {
+      FramePool::process().give_back(buf);
+      throw;
+    }
+  }
   PoolFrame(const PoolFrame&) = delete;
   PoolFrame& operator=(const PoolFrame&) = delete;
   ~PoolFrame() { FramePool::process().give_back(buf_); }
