@@ -134,6 +134,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return arena_write_frames(w.core(), frames, max_bytes);
           },
           py::arg("frames"), py::arg("max_bytes"))
+      // Holds published allocation (slot, generation) for a send of its bytes by reference
+      // -> SendHold (a read-only buffer); the slot is not recycled while it lives.
+      .def(
+          "hold_for_send",
+          [](TensorArenaWriter& w, uint32_t slot, uint64_t generation) {
+            return w.core().hold_for_send(slot, generation);
+          },
+          py::arg("slot"), py::arg("generation"))
       // Gives back an allocation whose stub never left this process.
       .def("abort", &TensorArenaWriter::abort, py::arg("slot"), py::arg("generation"))
       // Counts a decline decided in Python, by stats() key.

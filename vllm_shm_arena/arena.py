@@ -147,7 +147,9 @@ def _other_roles_call(name: str, role: str):
 
 
 #: Each role's calls, which the other role answers with a clear RuntimeError.
-_WRITER_CALLS = "write write_tensor new_reducer empty give_back_unsent reclaim unlink write_blob"
+_WRITER_CALLS = (
+    "write write_tensor new_reducer empty give_back_unsent send_holds reclaim unlink write_blob"
+)
 _READER_CALLS = "get_tensor rebuild_stub flush_releases needs_flush release_unacquired read_blob"
 
 
@@ -310,7 +312,8 @@ class ShmTensorArenaWriter(ShmTensorArena):
 
     The surface the pickler and the queue use (documented, public): ``new_reducer`` (the
     C-level divert decision over this arena), ``give_back_unsent`` (allocations no reader can
-    ever see), ``write_blob`` (a whole message in one allocation; the extension's own call, so a
+    ever see), ``send_holds`` (allocations' bytes for a socket to send by reference),
+    ``write_blob`` (a whole message in one allocation; the extension's own call, so a
     caller can store its result in the C call that made it: ``_C.call_store``), ``min_bytes``
     and ``name``.
     """
@@ -389,6 +392,15 @@ class ShmTensorArenaWriter(ShmTensorArena):
         w = self._writer
         for slot, gen in allocations:
             w.abort(slot, gen)
+
+    def send_holds(self, allocations: Sequence[tuple[int, int]]) -> list:
+        """The bytes of each published ``(slot, generation)`` allocation, held for a send by
+        reference -> ``[_C.SendHold, ...]`` (read-only buffers; ``_C.send_frames`` hands them to
+        ZeroMQ without a copy). While a hold lives (the object, or ZeroMQ's reference to the
+        frame until the socket has sent it), the slot is not recycled, whatever its readers
+        do; the mapping stays valid even after ``close()``."""
+        w = self._checked()
+        return [w.hold_for_send(slot, gen) for slot, gen in allocations]
 
     def reclaim(self, check_liveness: bool = True) -> int:
         """Recycles slots every reader released (and those held by dead readers)."""
@@ -574,6 +586,46 @@ def _lookup(arena_name: str) -> ShmTensorArena:
             "ShmTensorArena.attach(handle, rank) and keep a reference while unpickling"
         )
     return arena
+
+
+class FrameStubs:
+    """Resolves the arena stubs of a message that came over TCP: a remote node cannot map the
+    writer's arena, so the writer's socket sends each allocation the message names after its
+    out-of-band buffers (protocol.py), and a stub rebuilds a zero-copy tensor over its
+    allocation's frame. Stands in for a reader arena in ``call_resolving_stubs`` (``name``,
+    ``rebuild_stub``)."""
+
+    __slots__ = ("name", "_frames")
+
+    def __init__(self, name: str, allocations: Sequence[tuple[int, int]], frames: Sequence):
+        self.name = name
+        #: (slot, generation) -> the frame holding that allocation's bytes.
+        self._frames = dict(zip(allocations, frames, strict=True))
+
+    def rebuild_stub(self, slot_idx, generation, nbytes, dtype_str, shape, offset=0):
+        """A tensor over ``nbytes`` at ``offset`` of the named allocation's frame. The fields
+        come from the message: each is checked (``ValueError``) before use."""
+        key = (slot_idx, generation)
+        frame = self._frames.get(key) if all(type(x) is int for x in key) else None
+        if frame is None:
+            raise ValueError(
+                f"malformed arena stub: (slot {slot_idx!r}, generation {generation!r}) is not "
+                "an allocation this message carries"
+            )
+        for what, v in (("nbytes", nbytes), ("offset", offset)):
+            if type(v) is not int or v < 0:
+                raise ValueError(f"malformed arena stub: {what}={v!r}")
+        mv = memoryview(frame).cast("B")
+        if offset > len(mv) or nbytes > len(mv) - offset:
+            raise ValueError(
+                f"malformed arena stub: {nbytes} bytes at offset {offset} of a "
+                f"{len(mv)}-byte allocation"
+            )
+        if not isinstance(shape, tuple | list):
+            raise ValueError(f"malformed arena stub: shape={shape!r}")
+        return _C.tensor_from_buffer(
+            mv[offset : offset + nbytes], dtype_from_name(dtype_str), list(shape)
+        )
 
 
 def _rebuild_arena_tensor(arena_name, slot_idx, generation, nbytes, dtype_str, shape, offset=0):

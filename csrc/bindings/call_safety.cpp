@@ -18,6 +18,7 @@
 
 #include "bindings/gil.h"
 #include "bindings/message_bindings.h"
+#include "core/arena.h"
 #include "core/call_lock.h"
 #include "core/copy_pool.h"
 #include "core/frame_pool.h"
@@ -243,10 +244,42 @@ int send_one(const ZmqApi& z, void* sock, const void* src, size_t len, int flags
   return rc;
 }
 
+/// ZeroMQ's zmq_free_fn for a frame sent by reference from an arena allocation: `hint` is a
+/// heap copy of the frame's std::shared_ptr<SendHold>; the hold ends with the last of them.
+void free_held(void* /*data*/, void* hint) noexcept {
+  delete static_cast<std::shared_ptr<SendHold>*>(hint);
+}
+
+/// Sends `len` bytes of `hold` from `off` as one frame of a message on `sock`, by reference:
+/// ZeroMQ reads the arena allocation itself, which the hold keeps from being recycled until
+/// ZeroMQ lets go of the frame (free_held). -1 with `*err` set when the socket did not take
+/// it; an interrupted frame is retried unless `first` (nothing of the message went).
+int send_held(const ZmqApi& z, void* sock, const std::shared_ptr<SendHold>& hold, size_t off,
+              size_t len, int flags, bool first, int* err) {
+  auto* hint = new std::shared_ptr<SendHold>(hold);
+  ZmqMsg msg;
+  auto* data = const_cast<uint8_t*>(hold->data()) + off;  // ZeroMQ's signature; only read
+  if (z.msg_init_data(&msg, data, len, &free_held, hint) != 0) {
+    *err = z.errno_();
+    delete hint;  // ZeroMQ took nothing
+    return -1;
+  }
+  int rc = -1;
+  for (;;) {
+    rc = z.msg_send(&msg, sock, flags);
+    if (rc >= 0) return rc;
+    *err = z.errno_();
+    if (*err != EINTR || first) break;
+  }
+  z.msg_close(&msg);  // not sent: the hold's copy goes at once
+  return rc;
+}
+
 }  // namespace
 
 /// Sends `frames` as one message on the libzmq socket `handle` (pyzmq's Socket.underlying),
-/// copied. `first_flags` go with the first frame, `more` with every frame but the last. An
+/// copied, except a _C.SendHold frame (an arena allocation's bytes), which goes by reference
+/// (send_held). `first_flags` go with the first frame, `more` with every frame but the last. An
 /// out-of-band buffer (frame 2 on) longer than `split_above` goes as frames of `part_bytes`
 /// (> 0), the last one shorter (protocol.py's split table says so to the reader). After each frame
 /// the socket took whole (all its parts), progress[0] is its count, in this same C call: whatever
@@ -263,6 +296,28 @@ void send_frames(uintptr_t handle, const py::list& frames, int first_flags, int 
   progress[0] = 0;
   const size_t n = frames.size();
   for (size_t i = 0; i < n; ++i) {
+    if (py::isinstance<SendHold>(frames[i])) {
+      // An arena allocation's bytes, sent by reference (see send_held).
+      auto hold = frames[i].cast<std::shared_ptr<SendHold>>();
+      const size_t len = static_cast<size_t>(hold->nbytes());
+      const size_t part = (i >= 2 && len > split_above) ? static_cast<size_t>(part_bytes) : len;
+      size_t off = 0;
+      int rc = 0;
+      int err = 0;
+      do {
+        const size_t chunk = std::min(part, len - off);
+        const bool last_part = off + chunk == len;
+        int flags = (i + 1 < n || !last_part) ? more : 0;
+        if (i == 0) flags |= first_flags;
+        rc = chunk == 0 ? send_one(z, sock, hold->data(), 0, flags, i == 0, &err)
+                        : send_held(z, sock, hold, off, chunk, flags, i == 0, &err);
+        if (rc < 0) break;
+        off += chunk;
+      } while (off < len);
+      if (rc < 0) raise_zmq_error(err);
+      progress[0] = i + 1;
+      continue;
+    }
     Py_buffer view;
     if (PyObject_GetBuffer(frames[i].ptr(), &view, PyBUF_SIMPLE) != 0)
       throw py::error_already_set();
@@ -429,6 +484,15 @@ void bind_call_safety(py::module_& m) {
       .def_property_readonly("buffer",
                              [](py::object self) { return self.cast<ZmqFrame&>().buffer(self); })
       .def("__len__", &ZmqFrame::size);
+  // An arena allocation held for a send by reference (TensorArenaWriter.hold_for_send): a
+  // read-only buffer over its bytes; send_frames sends it without a copy.
+  py::class_<SendHold, std::shared_ptr<SendHold>>(m, "SendHold", py::buffer_protocol())
+      .def_buffer([](SendHold& h) {
+        return py::buffer_info(const_cast<uint8_t*>(h.data()), 1,
+                               py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(h.nbytes())}, {1}, /*readonly=*/true);
+      })
+      .def("__len__", &SendHold::nbytes);
   // One message's frames on libzmq socket `handle` (Socket.underlying), progress[0] = taken.
   m.def("send_frames", &send_frames, py::arg("handle"), py::arg("frames"), py::arg("first_flags"),
         py::arg("more"), py::arg("progress"), py::arg("part_bytes"), py::arg("split_above"));

@@ -7,7 +7,8 @@
 //   _C.call_locked     lock taken and let go in C, so a handler cannot leave it held
 //   _C.send_frames     every frame of one ZeroMQ message, with the count the socket took
 //                      recorded after each, in the same C call; libzmq called directly
-//                      (pyzmq's calls run signal handlers after each frame)
+//                      (pyzmq's calls run signal handlers after each frame); a
+//   _C.SendHold        frame (an arena allocation) goes by reference, the rest copied
 //   _C.recv_frames     every frame of one ZeroMQ message (stored through call_store/append),
 //                      as _C.ZmqFrame buffers
 //   _C.call_store,     fn(*args) stored into the caller's container (or appended to it) in
@@ -20,8 +21,8 @@
 
 namespace vllm_shm_arena {
 
-/// Defines CallLock, call_locked, send_frames, recv_frames, call_store, call_append, call_with and
-/// the nogil_gate_* functions on `m`.
+/// Defines CallLock, call_locked, SendHold, send_frames, recv_frames, call_store, call_append,
+/// call_with and the nogil_gate_* functions on `m`.
 void bind_call_safety(pybind11::module_& m);
 
 }  // namespace vllm_shm_arena

@@ -216,6 +216,8 @@ ArenaWriter::ArenaWriter(std::shared_ptr<ShmRegion> region, const ArenaGeometry&
   published_.assign(n, false);
   published_at_.resize(n);
   loan_hold_.assign(n, false);
+  abandoned_.assign(n, false);
+  send_holds_ = std::make_shared<SendHoldTable>(n);
   reserved_.assign((geo_.data_bytes + kDataAlign - 1) / kDataAlign, false);
   last_liveness_check_.resize(geo_.n_readers);
 }
@@ -401,9 +403,16 @@ size_t ArenaWriter::reclaim_locked(bool check_liveness) {
   size_t freed = 0;
   for (size_t i = 0; i < in_use_.size();) {
     uint32_t rec = in_use_[i];
-    bool free = published_[rec] && !loan_hold_[rec];
-    for (uint32_t r = 0; free && r < geo_.n_readers; ++r) {
-      free = reader_lets_go(r, rec, gen_[rec], check_liveness);
+    // SYNC POINT: acquire; pairs with the release decrement in ~SendHold: the last read of
+    // the bytes by a send by reference happens-before the slot is recycled and rewritten.
+    bool free = send_holds_->counts[rec].load(std::memory_order_acquire) == 0;
+    if (free && abandoned_[rec]) {
+      // Aborted unsent: no reader was ever told of it, so none needs to let go.
+    } else {
+      free = free && published_[rec] && !loan_hold_[rec];
+      for (uint32_t r = 0; free && r < geo_.n_readers; ++r) {
+        free = reader_lets_go(r, rec, gen_[rec], check_liveness);
+      }
     }
     if (!free) {
       ++i;
@@ -431,6 +440,7 @@ void ArenaWriter::free_locked(uint32_t rec) {
   slot_meta(region_->data(), geo_, rec)->published_gen.store(0, std::memory_order_relaxed);
   gen_[rec] = 0;
   published_[rec] = false;
+  abandoned_[rec] = false;
   if (loan_hold_[rec]) {
     loan_hold_[rec] = false;
     loans_by_offset_.erase(placement_[rec].offset);
@@ -556,10 +566,16 @@ void ArenaWriter::end_loan(uint32_t slot, uint64_t generation) {
   loan_hold_[slot] = false;
   loans_by_offset_.erase(placement_[slot].offset);
   if (!published_[slot]) {
-    // Never sent: nobody else can know of it. Give the space back at once.
+    // Never sent: nobody else can know of it. Give the space back at once, or once the send
+    // holds of an aborted send end.
+    ++stats_.loans_returned;
+    // SYNC POINT: relaxed; only whether to free now: reclaim's acquire load orders the reuse.
+    if (send_holds_->counts[slot].load(std::memory_order_relaxed) != 0) {
+      abandoned_[slot] = true;
+      return;
+    }
     in_use_.erase(std::find(in_use_.begin(), in_use_.end(), slot));
     free_locked(slot);
-    ++stats_.loans_returned;
   }
 }
 
@@ -597,6 +613,7 @@ void ArenaWriter::abort(const Allocation& stub) {
   if (foreign()) return;  // a cleanup path; nothing of a forked child's is in the arena
   std::lock_guard<std::mutex> lock(mu_);
   if (stub.slot >= gen_.size() || gen_[stub.slot] != stub.generation) return;  // recycled
+  if (abandoned_[stub.slot]) return;  // given back already, waiting for its send holds
   // Counters come from what allocate() handed out, not from the caller's copy.
   const Allocation& a = live_[stub.slot];
   const bool was_published = published_[a.slot];
@@ -624,9 +641,46 @@ void ArenaWriter::abort(const Allocation& stub) {
     ++stats_.aborted;
     return;
   }
+  ++stats_.aborted;
+  // SYNC POINT: relaxed; only whether to free now: reclaim's acquire load orders the reuse.
+  if (send_holds_->counts[a.slot].load(std::memory_order_relaxed) != 0) {
+    // A send by reference still reads the bytes (its socket took nothing, but the hold's
+    // owner has not dropped it yet): unpublish now, free once the holds end.
+    // SYNC POINT: relaxed; the stub never left this process, so no reader can be looking.
+    slot_meta(region_->data(), geo_, a.slot)->published_gen.store(0, std::memory_order_relaxed);
+    published_[a.slot] = false;
+    abandoned_[a.slot] = true;
+    return;
+  }
   in_use_.erase(std::find(in_use_.begin(), in_use_.end(), a.slot));
   free_locked(a.slot);
-  ++stats_.aborted;
+}
+
+SendHold::~SendHold() {
+  // SYNC POINT: release; pairs with the acquire load in ArenaWriter::reclaim_locked(): every
+  // read of the bytes through this hold happens-before the slot is recycled.
+  table_->counts[slot_].fetch_sub(1, std::memory_order_release);
+}
+
+std::shared_ptr<SendHold> ArenaWriter::hold_for_send(uint32_t slot, uint64_t generation) {
+  require_owner("hold_for_send");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (slot >= gen_.size() || gen_[slot] != generation || !published_[slot]) {
+    throw InvalidArgument("hold_for_send: allocation (slot " + std::to_string(slot) +
+                          ", generation " + std::to_string(generation) +
+                          ") is not published by this writer");
+  }
+  const Allocation& a = live_[slot];
+  // SYNC POINT: relaxed; made under mu_, which reclaim holds while it reads the count, so
+  // no recycle can fall between the check above and this increment.
+  send_holds_->counts[slot].fetch_add(1, std::memory_order_relaxed);
+  try {
+    return std::make_shared<SendHold>(send_holds_, region_, slot, a.data, a.nbytes);
+  } catch (...) {
+    // SYNC POINT: relaxed; undoes the increment above under the same mutex.
+    send_holds_->counts[slot].fetch_sub(1, std::memory_order_relaxed);
+    throw;
+  }
 }
 
 std::optional<Allocation> ArenaWriter::write(const void* src, uint64_t nbytes,

@@ -100,6 +100,45 @@ struct Allocation {
   bool cold = false;  ///< the pages had never been written by this writer
 };
 
+/// This process's own reads of published allocations outside the arena protocol (a socket
+/// sending an allocation's bytes by reference), counted per slot. Process-local memory, never
+/// shared: it outlives the writer, since the last SendHold may end on another thread (ZeroMQ's
+/// I/O thread) after the writer is gone.
+struct SendHoldTable {
+  explicit SendHoldTable(uint32_t n_slots) : counts(n_slots) {}
+  /// Live SendHolds per slot. Incremented by ArenaWriter::hold_for_send under the writer's
+  /// mutex, decremented by ~SendHold on any thread.
+  std::vector<std::atomic<uint32_t>> counts;
+};
+
+/// The bytes of one published allocation, held for a send by reference: while a SendHold
+/// lives, the writer does not recycle its slot (even once every reader released it), and the
+/// mapping stays valid (even once the writer is gone). Made by ArenaWriter::hold_for_send.
+class SendHold {
+ public:
+  SendHold(std::shared_ptr<SendHoldTable> table, std::shared_ptr<ShmRegion> region, uint32_t slot,
+           const uint8_t* data, uint64_t nbytes)
+      : table_(std::move(table)),
+        region_(std::move(region)),
+        slot_(slot),
+        data_(data),
+        nbytes_(nbytes) {}
+  ~SendHold();
+  SendHold(const SendHold&) = delete;
+  SendHold& operator=(const SendHold&) = delete;
+
+  const uint8_t* data() const { return data_; }
+  uint64_t nbytes() const { return nbytes_; }
+  uint32_t slot() const { return slot_; }
+
+ private:
+  std::shared_ptr<SendHoldTable> table_;
+  std::shared_ptr<ShmRegion> region_;  // keeps the mapping while the bytes may be read
+  uint32_t slot_;
+  const uint8_t* data_;
+  uint64_t nbytes_;
+};
+
 /// The single writer of an arena.
 class ArenaWriter {
  public:
@@ -141,6 +180,10 @@ class ArenaWriter {
   /// The writer's last view of a loan died: an unsent loan is freed, a sent one is left to
   /// its readers.
   void end_loan(uint32_t slot, uint64_t generation);
+  /// Holds published allocation (`slot`, `generation`) for a send of its bytes by reference
+  /// (the whole payload written, or the whole loan): see SendHold. InvalidArgument unless that
+  /// allocation is published now. Any thread; several holds of one allocation may coexist.
+  std::shared_ptr<SendHold> hold_for_send(uint32_t slot, uint64_t generation);
   /// Debug mode: checksum every payload at publish so readers can verify it at release
   /// (catches in-place writes by a reader, which the others would see).
   void set_debug_checksum(bool on) { debug_checksum_ = on; }
@@ -192,7 +235,11 @@ class ArenaWriter {
   std::vector<bool> published_;
   std::vector<std::chrono::steady_clock::time_point> published_at_;
   std::vector<bool> loan_hold_;  // a writer-side view of a loan is alive
-  std::vector<bool> reserved_;   // per 2 MiB block of data: fallocated (warm after a write)
+  // Aborted while send holds were alive: freed by reclaim once they end, whatever readers do
+  // (none was ever sent this allocation).
+  std::vector<bool> abandoned_;
+  std::shared_ptr<SendHoldTable> send_holds_;
+  std::vector<bool> reserved_;  // per 2 MiB block of data: fallocated (warm after a write)
   std::map<uint64_t, uint32_t> loans_by_offset_;  // live loans: offset -> slot
   std::vector<uint32_t> in_use_;                  // slots with gen_ != 0
   std::vector<std::chrono::steady_clock::time_point> last_liveness_check_;

@@ -1391,3 +1391,134 @@ TEST_CASE("generations stay below 2^44", "[arena][faults]") {
   }
   ::unlink((dir.path() + "/" + name).c_str());
 }
+
+TEST_CASE("send holds: a slot is not recycled while a send by reference reads it",
+          "[arena][send_hold]") {
+  auto sut = ArenaWriter::create(small_config(1, 1, 4096));
+  auto reader = ArenaReader::attach(sut->name(), 0, sut->region()->dir());
+  sut->unlink();
+  std::vector<uint8_t> src(4096);
+  fill_pattern(src.data(), src.size(), 7);
+  SECTION("readers done, hold alive: no reuse until the hold ends") {
+    auto a = sut->write(src.data(), src.size());
+    REQUIRE(a);
+    std::shared_ptr<SendHold> h = sut->hold_for_send(a->slot, a->generation);
+    CHECK(h->nbytes() == 4096);
+    CHECK(std::memcmp(h->data(), src.data(), src.size()) == 0);
+    auto second = sut->hold_for_send(a->slot, a->generation);  // holds may coexist
+    reader->release_unacquired(a->slot, a->generation);
+    CHECK_FALSE(sut->write(src.data(), 1).has_value());
+    h.reset();
+    CHECK_FALSE(sut->write(src.data(), 1).has_value());  // the second still reads
+    second.reset();
+    auto b = sut->write(src.data(), 1);
+    REQUIRE(b);
+    CHECK(b->slot == a->slot);
+  }
+  SECTION("a hold ending first leaves the readers' rule in force") {
+    auto a = sut->write(src.data(), src.size());
+    REQUIRE(a);
+    sut->hold_for_send(a->slot, a->generation).reset();
+    CHECK_FALSE(sut->write(src.data(), 1).has_value());
+    reader->release_unacquired(a->slot, a->generation);
+    CHECK(sut->write(src.data(), 1).has_value());
+  }
+  SECTION("only a published allocation of this writer can be held") {
+    auto a = sut->write(src.data(), src.size());
+    REQUIRE(a);
+    CHECK_THROWS_AS(sut->hold_for_send(a->slot, a->generation + 1), InvalidArgument);
+    CHECK_THROWS_AS(sut->hold_for_send(a->slot + 1, a->generation), InvalidArgument);
+    CHECK_THROWS_AS(sut->hold_for_send(UINT32_MAX, a->generation), InvalidArgument);
+    sut->abort(*a);
+    CHECK_THROWS_AS(sut->hold_for_send(a->slot, a->generation), InvalidArgument);
+  }
+  SECTION("an abort while held: unpublished at once, freed once the hold ends") {
+    auto a = sut->write(src.data(), src.size());
+    REQUIRE(a);
+    auto h = sut->hold_for_send(a->slot, a->generation);
+    sut->abort(*a);
+    sut->abort(*a);  // twice is harmless
+    CHECK_THROWS_AS(reader->acquire(a->slot, a->generation, 1), InvalidArgument);
+    WriterStats s = sut->stats();
+    CHECK(s.hits == 0);
+    CHECK(s.aborted == 1);
+    CHECK(s.in_use == 1);
+    CHECK_FALSE(sut->write(src.data(), 1).has_value());
+    CHECK(std::memcmp(h->data(), src.data(), src.size()) == 0);  // still the bytes sent
+    h.reset();
+    CHECK(sut->write(src.data(), 1).has_value());  // no reader ever owed it
+  }
+  SECTION("a hold outlives its writer: the mapping stays valid") {
+    auto a = sut->write(src.data(), src.size());
+    REQUIRE(a);
+    auto h = sut->hold_for_send(a->slot, a->generation);
+    reader.reset();
+    sut.reset();
+    CHECK(std::memcmp(h->data(), src.data(), src.size()) == 0);
+    h.reset();
+  }
+}
+
+TEST_CASE("send holds on a loan: an unsent loan dropped while held is freed after the hold",
+          "[arena][send_hold][loan]") {
+  auto sut = ArenaWriter::create(variable_config(1, 4 << 20));
+  auto r = ArenaReader::attach(sut->name(), 0);
+  sut->unlink();
+  auto a = sut->lend(2 << 20);
+  REQUIRE(a);
+  REQUIRE(sut->publish_loan(a->slot, a->generation));
+  auto h = sut->hold_for_send(a->slot, a->generation);
+  CHECK(h->nbytes() == (2u << 20));
+  sut->abort(*a);  // the send was given back: unpublished, still the writer's loan
+  sut->end_loan(a->slot, a->generation);
+  CHECK(sut->stats().in_use == 1);  // the hold still reads it
+  CHECK_FALSE(sut->lend(3 << 20).has_value());
+  h.reset();
+  CHECK(sut->lend(4 << 20).has_value());
+}
+
+TEST_CASE("send holds from many threads while the writer recycles (for ThreadSanitizer)",
+          "[arena][send_hold][threads]") {
+  auto sut = ArenaWriter::create(small_config(1, 4, 4096));
+  auto reader = ArenaReader::attach(sut->name(), 0, sut->region()->dir());
+  sut->unlink();
+  std::vector<uint8_t> src(4096);
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> wrong{0};  // bytes the I/O thread saw changed under a hold
+  std::mutex mu;
+  std::vector<std::pair<std::shared_ptr<SendHold>, uint8_t>> queue;  // what a socket holds
+  std::thread io([&] {  // the socket's I/O thread: reads each held payload, then drops it
+    for (;;) {
+      std::vector<std::pair<std::shared_ptr<SendHold>, uint8_t>> batch;
+      bool last = stop.load();
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        batch.swap(queue);
+      }
+      if (last && batch.empty()) break;
+      for (auto& [h, v] : batch) {
+        for (uint64_t i = 0; i < h->nbytes(); ++i) wrong += h->data()[i] != v;
+      }
+      std::this_thread::yield();
+    }
+  });
+  uint64_t sent = 0;
+  for (int i = 0; i < 2000; ++i) {
+    uint8_t v = static_cast<uint8_t>(i);
+    std::memset(src.data(), v, src.size());
+    auto a = sut->write(src.data(), src.size());
+    if (!a) continue;  // every slot still held: the writer declines, never blocks
+    ++sent;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      queue.emplace_back(sut->hold_for_send(a->slot, a->generation), v);
+    }
+    reader->release_unacquired(a->slot, a->generation);
+  }
+  stop.store(true);
+  io.join();
+  CHECK(sent > 0);
+  CHECK(wrong.load() == 0);
+  sut->reclaim(false);
+  CHECK(sut->stats().in_use == 0);
+}

@@ -8,6 +8,9 @@ A message is a list of frames::
     frame 0   the arena slots it references, (slot, generation) pairs as <Q (see below)
     frame 1   the pickle stream
     frame 2.. its out-of-band buffers (tensor bytes the arena declined)
+    then      on the remote socket only: the bytes of each arena allocation frame 0 names, in
+              its order (a remote node cannot map the arena; its reader's stubs resolve to
+              these frames)
 
 It travels one of three ways: in a ring chunk (when it fits), as a ring marker naming an arena
 blob that holds all its frames (``BLOB_FLAGS``, one frame: ``BLOB_MARKER``), or as a ring
@@ -93,8 +96,9 @@ SHUTDOWN_FRAME = b"VSA-SHUTDOWN"
 
 #: A TCP subscriber's hello (see the module docstring): magic, version, rank count, then that
 #: many ranks (<I each). Version 2: the per-queue token is gone (ZAP authenticates the peer).
+#: Version 3: a remote message carries the arena allocations its stubs name (module docstring).
 HELLO_MAGIC = b"VSA-HELLO\x00"
-HELLO_VERSION = 2
+HELLO_VERSION = 3
 HELLO_HEAD = struct.Struct(f"<{len(HELLO_MAGIC)}sBH")
 HELLO_RANK = struct.Struct("<I")
 #: Most ranks one hello may declare.

@@ -2,7 +2,8 @@
 blobs, the local socket, the writer's liveness) and a remote reader (the TCP socket).
 
 Both unpickle a message with stubs resolving to their own arena reader
-(``arena.call_resolving_stubs``); a message that fails to unpickle is consumed with its error, and
+(``arena.call_resolving_stubs``), a remote reader to the allocations' bytes its message carries
+(``arena.FrameStubs``); a message that fails to unpickle is consumed with its error, and
 the arena slots it named go back, so the writer is never kept waiting for them.
 
 Interruptions. A signal handler runs between two bytecodes of whatever Python code is running
@@ -37,7 +38,7 @@ from typing import Any
 
 from vllm_shm_arena import settings
 from vllm_shm_arena._ext import _C
-from vllm_shm_arena.arena import ShmTensorArena, call_resolving_stubs
+from vllm_shm_arena.arena import FrameStubs, ShmTensorArena, call_resolving_stubs
 from vllm_shm_arena.mq.end import End
 from vllm_shm_arena.mq.lifecycle import WAIT_SLICE_S
 from vllm_shm_arena.mq.protocol import (
@@ -167,7 +168,7 @@ class _ReaderEnd(End):
             e.__dict__.update(getattr(b, "__dict__", {}))
             raise e
 
-    def _decode(self, entry, frames: list, arena) -> None:
+    def _decode(self, entry, frames: list, arena, stubs=None) -> None:
         """Unpickles the message at the front of the inbox (``entry``, a dict for a local
         reader, whose ``frames`` are given) and puts ``(_DECODED, obj)`` in its place, in the
         C call that unpickled it. Its arena slots are held first (``entry["holds"]``), so an
@@ -179,7 +180,7 @@ class _ReaderEnd(End):
             if arena is not None and len(frames[0]) and "holds" not in entry:
                 pairs = parse_diverted(frames[0])
                 _C.call_store(entry, "holds", arena.hold_slots, (pairs,))
-            _C.call_store(inbox, 0, _decoded, (frames, arena))
+            _C.call_store(inbox, 0, _decoded, (frames, arena if stubs is None else stubs))
         except BaseException as e:
             if not _from_signal_handler(e) and inbox and inbox[0] is entry:
                 inbox.popleft()
@@ -261,8 +262,29 @@ class RemoteReaderEnd(_ReaderEnd):
                 raise self._end_stream(SequenceError(last, seq))
             self.checked = (entry, seq)
             self.counters["messages"] += 1
-        self._decode(entry, frames, None)
+        frames, stubs = self._arena_payloads(seq, frames)
+        self._decode(entry, frames, None, stubs)
         self.last_dequeue_s = time.perf_counter() - arrived
+
+    def _arena_payloads(self, seq: int, frames: list) -> tuple[list, FrameStubs | None]:
+        """A message's frames -> (its frames without the arena allocations' bytes that follow
+        its out-of-band buffers, what its arena stubs resolve to: ``None`` if it has none)."""
+        if not len(frames[0]):
+            return frames, None
+        pairs = parse_diverted(frames[0])
+        k = len(pairs)
+        arena = self.handle.tensor_arena_handle
+        if not k or arena is None or len(frames) < 2 + k:
+            # Sealed by the writer, so never seen from this version's writer.
+            raise self._end_stream(
+                RuntimeError(
+                    f"MessageQueue: message {seq} names {k} arena allocation(s) but carries "
+                    f"{len(frames) - 2} frame(s) after its pickle, from a writer "
+                    f"{'without' if arena is None else 'with'} an arena (another version of "
+                    "vllm_shm_arena?); recreate the queue"
+                )
+            )
+        return frames[:-k], FrameStubs(arena.name, pairs, frames[-k:])
 
     def _close_locked(self, drain_s: float) -> None:
         self.socket.close()

@@ -8,11 +8,11 @@ from where Python was. A message no reader can ever see gives its arena allocati
 message any reader can see is finished; a half-sent socket message breaks the queue (it
 cannot go on in order), and readers get a clear error after the messages before it.
 
-With readers of both kinds and an arena, a message has two encodings: the arena's (stubs,
-for the ring and the local socket) and the out-of-band one (tensor bytes as buffers, for the
-remote socket: a stub names a segment another node cannot map). The out-of-band one is made
-first (it commits nothing), and only when the queue has a remote socket; each socket's frames
-are settled against that socket's own message.
+With readers of both kinds and an arena, a message is pickled once, with arena stubs; the
+remote socket's message adds, after the out-of-band buffers, the bytes of each arena allocation
+the stubs name (a remote node cannot map the arena), sent by reference: ZeroMQ reads the arena
+copy itself, which a send hold keeps from being recycled until ZeroMQ lets go of it. Each
+socket's frames are settled against that socket's own message.
 """
 
 from __future__ import annotations
@@ -327,15 +327,15 @@ class WriterEnd(End):
         if self.serialize_inband:
             dumped = Dumped(dumps_inband(obj), [], [])
         else:
-            if self.arena is not None and self.sockets.remote is not None:
-                # First: it commits nothing, so a failure here leaves no arena slot taken.
-                plain = dump_message(obj, None)
-                sending.remote_frames = [b"", plain.data, *plain.buffers]
             # The arena copy releases the GIL; the slots taken go into sending.diverted as
             # they are taken.
             dumped = dump_message(obj, self.arena, sending.diverted)
         frames = [diverted_header(dumped.diverted), dumped.data, *dumped.buffers]
         sending.frames = frames
+        if dumped.diverted and self.sockets.remote is not None:
+            # Remote readers: the same message, then the bytes of the allocations its stubs
+            # name, in frame 0's order (protocol.py), held for a send by reference.
+            sending.remote_frames = [*frames, *self.arena.send_holds(dumped.diverted)]
         self.send(frames, deadline, sending)
         self.seq = sending.seq
         self.counters["messages"] += 1

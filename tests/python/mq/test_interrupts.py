@@ -102,10 +102,46 @@ def run_interrupted_at(k: int, fn, *args, **kwargs):
     return out, fired
 
 
+class _Drain:
+    """A node-local reader beside the remote one (kind "remote+arena"), read to the end on a
+    thread of its own, so the arena slots it is sent come back."""
+
+    def __init__(self, reader) -> None:
+        self.reader = reader
+        self.count = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                m = self.reader.dequeue(timeout=0.1)
+            except TimeoutError:
+                continue
+            except Exception:
+                return  # shut down
+            del m
+            self.count += 1
+
+
+#: The local readers drained beside a "remote+arena" writer, by the writer's id.
+_DRAINS: dict[int, _Drain] = {}
+
+
 def _queue(kind: str):
-    """A writer and one reader of ``kind`` in this process, ready."""
+    """A writer and one reader of ``kind`` in this process, ready. "remote+arena": the reader
+    is remote, beside a node-local one (drained on a thread) and the arena, so its messages
+    carry the arena allocations' bytes after their buffers."""
     if kind == "remote":
         w = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    elif kind == "remote+arena":
+        w = MessageQueue(2, 1, [0], connect_ip="127.0.0.1", enable_shm_tensor_arena=True)
+        local = MessageQueue.create_from_handle(w.export_handle(), 0)
+        r = MessageQueue.create_from_handle(w.export_handle(), 1)
+        ready_in_threads(w, [local, r])
+        _DRAINS[id(w)] = _Drain(local)
+        return w, r
     else:
         w = MessageQueue(
             1,
@@ -138,7 +174,20 @@ def _check(m, i: int, shape: str) -> None:
         assert int(m["t"][0]) == i and int(m["t"][-1]) == i
 
 
+def _close(w, r) -> None:
+    w.shutdown()
+    r.shutdown()
+    drain = _DRAINS.pop(id(w), None)
+    if drain is not None:
+        drain.stop.set()
+        drain.thread.join(10)
+        drain.reader.shutdown()
+
+
 def _assert_every_slot_came_back(w) -> None:
+    drain = _DRAINS.get(id(w))
+    if drain is not None:
+        wait_until(lambda: drain.count == w.stats()["messages"], 30, "the local reader to drain")
     if w.arena is not None:
         gc.collect()
         w.arena.reclaim()
@@ -152,6 +201,7 @@ CASES = [
     ("arena", "socket"),
     ("remote", "ring"),
     ("remote", "tensor"),
+    ("remote+arena", "tensor"),
 ]
 
 
@@ -190,8 +240,7 @@ def test_an_interrupt_at_any_bytecode_of_dequeue_loses_no_message(kind, shape):
             r.dequeue(timeout=0.2)
         _assert_every_slot_came_back(w)  # no hold was left behind
     finally:
-        w.shutdown()
-        r.shutdown()
+        _close(w, r)
 
 
 @pytest.mark.parametrize("kind, shape", CASES, ids=[f"{k}-{s}" for k, s in CASES])
@@ -238,8 +287,7 @@ def test_an_interrupt_at_any_bytecode_of_enqueue_sends_once_or_not_at_all(kind, 
         assert r.dequeue(timeout=10) == "last"
         _assert_every_slot_came_back(w)  # no interrupted send left a slot taken
     finally:
-        w.shutdown()
-        r.shutdown()
+        _close(w, r)
 
 
 # ------------------------------------------------------------------ real signals

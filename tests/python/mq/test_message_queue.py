@@ -357,8 +357,8 @@ def test_forked_child_dropping_writer_copy_keeps_ring_up(seed, kids, writers):
 # ------------------------------------------------------------------------ 6. remote reader
 def test_remote_reader_over_loopback_tcp(seed, kids, writers):
     """One local and one remote reader (TCP on 127.0.0.1 only). Every message reaches both,
-    tensors byte-exact; the arena serves the local reader (the remote one gets the tensor
-    bytes out of band)."""
+    tensors byte-exact; the arena serves the local reader (the remote one gets the bytes of
+    the arena allocations after the message, test_one_pickling.py)."""
     mq = MessageQueue(
         2, 1, local_reader_ranks=[0], connect_ip="127.0.0.1", enable_shm_tensor_arena=True
     )
@@ -380,7 +380,7 @@ def test_remote_reader_over_loopback_tcp(seed, kids, writers):
     assert reps[1]["stats"]["role"] == "remote_reader"
     st = mq.stats()
     assert st["arena"]["hits"] >= 4, st["arena"]  # the 2, 8, 24 and 40 MiB tensors
-    # The remote socket carried the tensor bytes themselves (out of band), not stubs.
+    # The remote socket carried the tensor bytes themselves, not stubs alone.
     assert st["remote_bytes"] >= sum(sizes), st
     kids.join_all(10)
 

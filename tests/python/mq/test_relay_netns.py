@@ -379,9 +379,9 @@ def command(body):
 def plain_hello(user, password):
     return command(b"\x05HELLO" + bytes([len(user)]) + user + bytes([len(password)]) + password)
 
-# The queue's hello topic (protocol.py): magic, version 2, rank count, ranks.
+# The queue's hello topic (protocol.py): magic, version 3, rank count, ranks.
 def hello_topic(ranks):
-    return b"VSA-HELLO\x00" + struct.pack("<BH", 2, len(ranks)) + b"".join(
+    return b"VSA-HELLO\x00" + struct.pack("<BH", 3, len(ranks)) + b"".join(
         struct.pack("<I", r) for r in ranks)
 
 def sub(user=None, topics=(b"",), stall=False):
