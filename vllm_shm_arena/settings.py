@@ -42,6 +42,11 @@ reads as "no plugin".
 * ``VLLM_SHM_ARENA_FRAME_POOL_MB``: the warm buffers kept for large socket frames (idle ones, at
   most this many MiB, each for at most 10 s). Default: the extension's (512 MiB). Valid: a whole
   number >= 0 (0 keeps no idle buffer). Read at import (arena.py).
+* ``VLLM_SHM_ARENA_BLOB_MB``: a queue without a tensor arena packs each message too big for a
+  ring chunk into a blob region in shared memory of at most this many MiB (pages reserved as
+  used, at most VLLM_SHM_ARENA_FREE_FRACTION of the free space) instead of sending it over the
+  local socket. Default: ``512``. Valid: a whole number >= 0 (0: no region; such messages go
+  over the local socket). Read at import (mq/writer.py).
 * ``VLLM_SHM_ARENA_DEBUG_CHECKSUM``: the writer checksums each tensor and readers report
   releases whose bytes changed (an in-place write by a reader). Default: unset. Valid: ``1``
   turns it on; any other value leaves it off. Read per arena created (arena.py).
@@ -264,6 +269,18 @@ VARIABLES: tuple[Variable, ...] = (
         _whole(0),
     ),
     Variable(
+        "VLLM_SHM_ARENA_BLOB_MB",
+        "`512`",
+        "a whole number >= 0 (0: no region; such messages go over the local socket)",
+        "a queue without a tensor arena packs each message too big for a ring chunk into a blob "
+        "region in shared memory of at most this many MiB (pages reserved as used, at most "
+        "VLLM_SHM_ARENA_FREE_FRACTION of the free space) instead of sending it over the local "
+        "socket",
+        "at import (mq/writer.py)",
+        _whole(0),
+        unset=512,
+    ),
+    Variable(
         "VLLM_SHM_ARENA_DEBUG_CHECKSUM",
         "unset",
         "`1` turns it on; any other value leaves it off",
@@ -480,6 +497,11 @@ def stream_min_bytes(environ: Env = None) -> int | None:
     stays)."""
     mib = value("VLLM_SHM_ARENA_STREAM_MIN_MB", environ)
     return None if mib is None else mib * _MIB
+
+
+def blob_region_bytes(environ: Env = None) -> int:
+    """``VLLM_SHM_ARENA_BLOB_MB``, in bytes."""
+    return value("VLLM_SHM_ARENA_BLOB_MB", environ) * _MIB
 
 
 def frame_pool_bytes(environ: Env = None) -> int | None:

@@ -202,6 +202,16 @@ def arena(make_arena) -> Arena:
 
 
 @pytest.fixture
+def socket_overflow(monkeypatch):
+    """Queues made in this test without a tensor arena get no blob region either: their
+    messages too big for a ring chunk go over the local socket (the path a test of the socket
+    means)."""
+    from vllm_shm_arena.mq import writer as mq_writer
+
+    monkeypatch.setattr(mq_writer, "_BLOB_REGION_BYTES", 0)
+
+
+@pytest.fixture
 def writers():
     """``writers(mq)`` registers a queue end to shut down at teardown (which also unlinks its
     shared-memory names)."""

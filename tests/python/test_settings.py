@@ -35,6 +35,7 @@ GOOD = {
     "VLLM_SHM_ARENA_TCP_SECURITY": [("authenticated", "authenticated"), ("encrypted", "encrypted")],
     "VLLM_SHM_ARENA_STREAM_MIN_MB": [("0", 0), ("7", 7)],
     "VLLM_SHM_ARENA_FRAME_POOL_MB": [("0", 0), ("512", 512)],
+    "VLLM_SHM_ARENA_BLOB_MB": [("0", 0), ("64", 64)],
     "VLLM_SHM_ARENA_DEBUG_CHECKSUM": [("1", True), ("0", False), ("yes", False)],
     "VLLM_RINGBUFFER_WARNING_INTERVAL": [("60", 60.0), ("0.5", 0.5), ("0", 0.0)],
     "VLLM_HOST_IP": [("10.0.0.7", "10.0.0.7")],
@@ -58,6 +59,7 @@ BAD = {
     "VLLM_SHM_ARENA_TCP_SECURITY": ["none", "plain", "Encrypted", " authenticated"],
     "VLLM_SHM_ARENA_STREAM_MIN_MB": ["-1", "lots", "3.5"],
     "VLLM_SHM_ARENA_FRAME_POOL_MB": ["-1", "lots", "0.5"],
+    "VLLM_SHM_ARENA_BLOB_MB": ["-1", "lots", "0.5"],
     "VLLM_RINGBUFFER_WARNING_INTERVAL": ["-1", "nan", "soon"],
 }
 #: Variables whose reader treats every value as valid (flags, text, vLLM's lenient parse).

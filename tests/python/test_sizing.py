@@ -253,6 +253,20 @@ def test_the_queue_with_the_arena_starts_wherever_the_one_without_does(size, tmp
     assert list(d.iterdir()) == []
 
 
+def test_no_blob_region_when_the_shm_directory_has_no_room_for_one(tmpfs, caplog):
+    """Arena off, on a 256 MiB tmpfs the ring takes 160 MiB: half of the rest is under the region's
+    minimum, so the queue is made without one (one warning) and overflow goes over the
+    socket (mq/test_blob_region.py has the region itself)."""
+    tmpfs("256m")
+    with caplog.at_level(logging.WARNING, logger="vllm_shm_arena"):
+        mq = MessageQueue(2, 2, enable_shm_tensor_arena=False)
+    try:
+        assert mq.export_handle().blob_arena_handle is None
+        assert [r for r in caplog.records if "no blob region" in r.getMessage()], caplog.text
+    finally:
+        mq.shutdown()
+
+
 def test_below_the_rings_own_size_both_queues_fail_the_same_way(tmpfs):
     tmpfs("128m")
     with pytest.raises(OSError) as off:

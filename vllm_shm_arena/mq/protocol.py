@@ -13,9 +13,9 @@ A message is a list of frames::
               these frames)
 
 It travels one of three ways: in a ring chunk (when it fits), as a ring marker naming an arena
-blob that holds all its frames (``BLOB_FLAGS``, one frame: ``BLOB_MARKER``), or as a ring
-marker (``FLAG_OVERFLOW``) announcing it on the local socket; remote readers get every message
-on their socket.
+blob that holds all its frames (in the tensor arena, or without one in the queue's blob region;
+``BLOB_FLAGS``, one frame: ``BLOB_MARKER``), or as a ring marker (``FLAG_OVERFLOW``)
+announcing it on the local socket; remote readers get every message on their socket.
 
 Whom a reader trusts: its writer, and nobody else. The ring and the arena are shared memory
 this uid alone can map (0600, names unlinked once the readers are in). A socket is another
@@ -135,6 +135,10 @@ class Handle:
     #: ``TCP_SECURITY``: what the remote socket adds to authentication (the writer's setting).
     tcp_security: str = "authenticated"
     tensor_arena_handle: ArenaHandle | None = None
+    #: A queue without a tensor arena: the region its overflow messages are packed into
+    #: (``BLOB_FLAGS`` markers), for its node-local readers. None with a tensor arena (which
+    #: holds the blobs then) or without either.
+    blob_arena_handle: ArenaHandle | None = None
 
 
 class WriterDiedError(RuntimeError):

@@ -302,6 +302,8 @@ class LocalReaderEnd(_ReaderEnd):
         self.index = index
         self.ring = None
         self.arena: ShmTensorArena | None = None
+        #: Where the ring's blob markers point: the tensor arena, or the queue's blob region.
+        self.blob_arena: ShmTensorArena | None = None
         #: A relay's last message (its upstream ended): raised by every later dequeue.
         self.ended: StreamEnd | None = None
         try:
@@ -310,6 +312,9 @@ class LocalReaderEnd(_ReaderEnd):
             # failed to attach is untouched, so a join that fails here can be retried.
             if handle.tensor_arena_handle is not None:
                 self.arena = ShmTensorArena.attach(handle.tensor_arena_handle, index)
+            self.blob_arena = self.arena
+            if handle.blob_arena_handle is not None:
+                self.blob_arena = ShmTensorArena.attach(handle.blob_arena_handle, index)
             self.ring = _C.MessageRingReader(name, index, shm_dir)
             # Readers copy ring frames out too: leave the others (and the writer) a CPU.
             _C.set_copy_readers(len(handle.local_reader_ranks))
@@ -417,16 +422,16 @@ class LocalReaderEnd(_ReaderEnd):
         writer and carry the marker's sequence number)."""
         if entry["flags"] & FLAG_BLOB:
             marker = entry["frames"]
-            if self.arena is None:
+            if self.blob_arena is None:
                 raise RuntimeError(
-                    "the ring announced a message in the tensor arena, but this reader has no "
+                    "the ring announced a message in an arena blob, but this reader has no "
                     "arena attached (a queue handle without its arena handle?)"
                 )
             if len(marker) != 1 or len(marker[0]) != BLOB_MARKER.size:
                 raise RuntimeError("corrupt blob marker in the message ring")
             slot, gen, nbytes = BLOB_MARKER.unpack(marker[0])
             # Copied out and released at once, stored in the same C call.
-            read = self.arena.read_blob
+            read = self.blob_arena.read_blob
             _C.call_store(entry, "fetched", read, (slot, gen, nbytes))
             return
         if "socket" not in entry:
@@ -460,3 +465,5 @@ class LocalReaderEnd(_ReaderEnd):
             # Stubs can no longer resolve to it; tensors handed out keep their mapping (and
             # pinning) alive on their own.
             self.arena.close()
+        if self.blob_arena is not None and self.blob_arena is not self.arena:
+            self.blob_arena.close()

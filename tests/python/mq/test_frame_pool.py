@@ -29,7 +29,7 @@ def _queue(writers, **kw):
     return mq, r
 
 
-def test_overflow_frames_reuse_warm_buffers_and_never_alias_the_caller(writers):
+def test_overflow_frames_reuse_warm_buffers_and_never_alias_the_caller(writers, socket_overflow):
     """Arena off, 4 MiB tensors over the local socket: after the first message every frame
     comes from a warm buffer (no new mapping), and overwriting the tensor right after enqueue
     returns never reaches the reader."""
@@ -73,7 +73,7 @@ def test_a_ring_frame_copied_out_lives_as_long_as_its_tensor(writers):
     assert _C.frame_pool_stats()["in_use_bytes"] <= held - 2 * MiB
 
 
-def test_no_idle_buffers_are_kept_when_the_bound_is_zero(writers):
+def test_no_idle_buffers_are_kept_when_the_bound_is_zero(writers, socket_overflow):
     before = _C.frame_pool_stats()["max_idle_bytes"]
     _C.set_frame_pool_max_idle_bytes(0)
     try:
@@ -129,7 +129,7 @@ def test_a_split_table_that_does_not_match_the_frames_is_refused_not_trusted():
 
 
 @pytest.mark.parametrize("remote", [False, True], ids=["local socket", "tcp"])
-def test_a_tensor_above_the_split_size_arrives_whole(writers, remote):
+def test_a_tensor_above_the_split_size_arrives_whole(writers, remote, socket_overflow):
     """Arena off, 40 MiB: split on the wire, joined by the reader, every byte checked."""
     n_local = 0 if remote else 1
     mq = MessageQueue(

@@ -85,7 +85,7 @@ def _hook_send(sock, hook):
 
 # ------------------------------------------------------------------ a timed-out dequeue
 @pytest.mark.parametrize("arena", [False, True], ids=["socket", "arena"])
-def test_a_timed_out_dequeue_leaves_the_queue_as_it_was(arena):
+def test_a_timed_out_dequeue_leaves_the_queue_as_it_was(arena, socket_overflow):
     """The overflow message's socket half is held back until the reader's dequeue timed out:
     the reader must still get 1, 2, 3 in order (before: [2, 1, ...], one behind for good)."""
     w, (r,) = _pair(arena=arena)
@@ -277,7 +277,9 @@ def test_an_exception_before_anything_was_sent_gives_the_slots_back():
         _close(w, r)
 
 
-def test_an_interrupted_multipart_send_breaks_the_queue_instead_of_corrupting_it():
+def test_an_interrupted_multipart_send_breaks_the_queue_instead_of_corrupting_it(
+    socket_overflow,
+):
     w, (r,) = _pair(arena=False, chunk=64 << 10, chunks=4)
     calls = []
 
@@ -508,7 +510,9 @@ def test_a_reader_never_takes_a_message_from_another_user_after_its_connection_d
 
 
 @pytest.mark.parametrize("where", ["local", "remote"])
-def test_a_socket_message_not_sealed_with_the_readers_secret_is_never_unpickled(where, tmp_path):
+def test_a_socket_message_not_sealed_with_the_readers_secret_is_never_unpickled(
+    where, tmp_path, socket_overflow
+):
     """Whatever answers at the queue's socket address is not the writer unless it seals its
     frames with the handle's secret: a reader joined with another secret (what an impostor
     has) gets a clear error and unpickles nothing. On the remote socket the writer already

@@ -39,6 +39,7 @@ from mq_helpers import inside_a_call, reading_thread, ready_in_threads, wait_unt
 
 import vllm_shm_arena
 from vllm_shm_arena import MessageQueue
+from vllm_shm_arena.mq import writer as mq_writer
 
 MiB = 1 << 20
 PACKAGE = str(Path(vllm_shm_arena.__file__).resolve().parent)
@@ -143,13 +144,20 @@ def _queue(kind: str):
         _DRAINS[id(w)] = _Drain(local)
         return w, r
     else:
-        w = MessageQueue(
-            1,
-            1,
-            max_chunk_bytes=64 << 10,
-            max_chunks=4,
-            enable_shm_tensor_arena=(kind == "arena"),
-        )
+        # "local": arena off, messages too big for a chunk over the local socket; "blob": arena
+        # off, such messages in the queue's blob region.
+        saved = mq_writer._BLOB_REGION_BYTES
+        mq_writer._BLOB_REGION_BYTES = saved if kind == "blob" else 0
+        try:
+            w = MessageQueue(
+                1,
+                1,
+                max_chunk_bytes=64 << 10,
+                max_chunks=4,
+                enable_shm_tensor_arena=(kind == "arena"),
+            )
+        finally:
+            mq_writer._BLOB_REGION_BYTES = saved
     r = MessageQueue.create_from_handle(w.export_handle(), 0)
     ready_in_threads(w, [r])
     return w, r
@@ -188,10 +196,11 @@ def _assert_every_slot_came_back(w) -> None:
     drain = _DRAINS.get(id(w))
     if drain is not None:
         wait_until(lambda: drain.count == w.stats()["messages"], 30, "the local reader to drain")
-    if w.arena is not None:
-        gc.collect()
-        w.arena.reclaim()
-        assert w.arena.stats()["in_use"] == 0, w.arena.stats()
+    gc.collect()
+    for arena in (w.arena, w._end.blob_arena):  # the tensor arena, the blob region
+        if arena is not None:
+            arena.reclaim()
+            assert arena.stats()["in_use"] == 0, arena.stats()
 
 
 CASES = [
@@ -199,6 +208,7 @@ CASES = [
     ("local", "socket"),
     ("arena", "tensor"),
     ("arena", "socket"),
+    ("blob", "socket"),
     ("remote", "ring"),
     ("remote", "tensor"),
     ("remote+arena", "tensor"),
