@@ -296,52 +296,47 @@ void send_frames(uintptr_t handle, const py::list& frames, int first_flags, int 
   progress[0] = 0;
   const size_t n = frames.size();
   for (size_t i = 0; i < n; ++i) {
-    if (py::isinstance<SendHold>(frames[i])) {
-      // An arena allocation's bytes, sent by reference (see send_held).
-      auto hold = frames[i].cast<std::shared_ptr<SendHold>>();
-      const size_t len = static_cast<size_t>(hold->nbytes());
+    // Frame i as parts of `part` bytes (one part unless split); `send(off, chunk, flags)`
+    // sends one part -> libzmq's rc, `err` set when < 0.
+    int err = 0;
+    auto send_parts = [&](size_t len, auto&& send) {
       const size_t part = (i >= 2 && len > split_above) ? static_cast<size_t>(part_bytes) : len;
       size_t off = 0;
       int rc = 0;
-      int err = 0;
       do {
         const size_t chunk = std::min(part, len - off);
         const bool last_part = off + chunk == len;
         int flags = (i + 1 < n || !last_part) ? more : 0;
         if (i == 0) flags |= first_flags;
-        rc = chunk == 0 ? send_one(z, sock, hold->data(), 0, flags, i == 0, &err)
-                        : send_held(z, sock, hold, off, chunk, flags, i == 0, &err);
+        rc = send(off, chunk, flags);
         if (rc < 0) break;
         off += chunk;
       } while (off < len);
-      if (rc < 0) raise_zmq_error(err);
-      progress[0] = i + 1;
-      continue;
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(frames[i].ptr(), &view, PyBUF_SIMPLE) != 0)
-      throw py::error_already_set();
-    const auto* p = static_cast<const uint8_t*>(view.buf);
-    const size_t len = static_cast<size_t>(view.len);
-    const size_t part = (i >= 2 && len > split_above) ? static_cast<size_t>(part_bytes) : len;
-    size_t off = 0;
-    int rc = 0;
-    int err = 0;
-    try {
-      do {
-        const size_t chunk = std::min(part, len - off);
-        const bool last_part = off + chunk == len;
-        int flags = (i + 1 < n || !last_part) ? more : 0;
-        if (i == 0) flags |= first_flags;
-        rc = send_one(z, sock, p + off, chunk, flags, i == 0, &err);
-        if (rc < 0) break;
-        off += chunk;
-      } while (off < len);
-    } catch (...) {
+      return rc;
+    };
+    int rc;
+    if (py::isinstance<SendHold>(frames[i])) {
+      // An arena allocation's bytes, sent by reference (see send_held).
+      auto hold = frames[i].cast<std::shared_ptr<SendHold>>();
+      rc = send_parts(static_cast<size_t>(hold->nbytes()), [&](size_t off, size_t chunk, int f) {
+        return chunk == 0 ? send_one(z, sock, hold->data(), 0, f, i == 0, &err)
+                          : send_held(z, sock, hold, off, chunk, f, i == 0, &err);
+      });
+    } else {
+      Py_buffer view;
+      if (PyObject_GetBuffer(frames[i].ptr(), &view, PyBUF_SIMPLE) != 0)
+        throw py::error_already_set();
+      const auto* p = static_cast<const uint8_t*>(view.buf);
+      try {
+        rc = send_parts(static_cast<size_t>(view.len), [&](size_t off, size_t chunk, int f) {
+          return send_one(z, sock, p + off, chunk, f, i == 0, &err);
+        });
+      } catch (...) {
+        PyBuffer_Release(&view);
+        throw;
+      }
       PyBuffer_Release(&view);
-      throw;
     }
-    PyBuffer_Release(&view);
     if (rc < 0) raise_zmq_error(err);
     progress[0] = i + 1;
   }
