@@ -406,10 +406,9 @@ size_t ArenaWriter::reclaim_locked(bool check_liveness) {
     // SYNC POINT: acquire; pairs with the release decrement in ~SendHold: the last read of
     // the bytes by a send by reference happens-before the slot is recycled and rewritten.
     bool free = send_holds_->counts[rec].load(std::memory_order_acquire) == 0;
-    if (free && abandoned_[rec]) {
-      // Aborted unsent: no reader was ever told of it, so none needs to let go.
-    } else {
-      free = free && published_[rec] && !loan_hold_[rec];
+    // Given back unsent (abandoned_): no reader was ever told of it, so none needs to let go.
+    if (free && !abandoned_[rec]) {
+      free = published_[rec] && !loan_hold_[rec];
       for (uint32_t r = 0; free && r < geo_.n_readers; ++r) {
         free = reader_lets_go(r, rec, gen_[rec], check_liveness);
       }
@@ -431,6 +430,25 @@ size_t ArenaWriter::reclaim(bool check_liveness) {
   require_owner("reclaim");
   std::lock_guard<std::mutex> lock(mu_);
   return reclaim_locked(check_liveness);
+}
+
+void ArenaWriter::unpublish_locked(uint32_t rec) {
+  // SYNC POINT: relaxed; the stub never left this process, so no reader can be looking.
+  slot_meta(region_->data(), geo_, rec)->published_gen.store(0, std::memory_order_relaxed);
+  published_[rec] = false;
+}
+
+void ArenaWriter::give_back_locked(uint32_t rec) {
+  // SYNC POINT: relaxed; only whether to free now: reclaim's acquire load orders the reuse.
+  if (send_holds_->counts[rec].load(std::memory_order_relaxed) != 0) {
+    // A send by reference still reads the bytes (its socket took nothing, but the hold's
+    // owner has not dropped it yet): unpublished now, freed by reclaim once the holds end.
+    unpublish_locked(rec);
+    abandoned_[rec] = true;
+    return;
+  }
+  in_use_.erase(std::find(in_use_.begin(), in_use_.end(), rec));
+  free_locked(rec);
 }
 
 void ArenaWriter::free_locked(uint32_t rec) {
@@ -569,13 +587,7 @@ void ArenaWriter::end_loan(uint32_t slot, uint64_t generation) {
     // Never sent: nobody else can know of it. Give the space back at once, or once the send
     // holds of an aborted send end.
     ++stats_.loans_returned;
-    // SYNC POINT: relaxed; only whether to free now: reclaim's acquire load orders the reuse.
-    if (send_holds_->counts[slot].load(std::memory_order_relaxed) != 0) {
-      abandoned_[slot] = true;
-      return;
-    }
-    in_use_.erase(std::find(in_use_.begin(), in_use_.end(), slot));
-    free_locked(slot);
+    give_back_locked(slot);
   }
 }
 
@@ -634,26 +646,13 @@ void ArenaWriter::abort(const Allocation& stub) {
     // pickler's own cleanup): nothing left to undo.
     if (!was_published) return;
     // An aborted send of a loan: the writer still holds its view; unpublish, keep the loan.
-    // SYNC POINT: relaxed; the stub never left this process, so no reader can be looking.
-    slot_meta(region_->data(), geo_, a.slot)->published_gen.store(0, std::memory_order_relaxed);
-    published_[a.slot] = false;
+    unpublish_locked(a.slot);
     --stats_.loans_sent;
     ++stats_.aborted;
     return;
   }
   ++stats_.aborted;
-  // SYNC POINT: relaxed; only whether to free now: reclaim's acquire load orders the reuse.
-  if (send_holds_->counts[a.slot].load(std::memory_order_relaxed) != 0) {
-    // A send by reference still reads the bytes (its socket took nothing, but the hold's
-    // owner has not dropped it yet): unpublish now, free once the holds end.
-    // SYNC POINT: relaxed; the stub never left this process, so no reader can be looking.
-    slot_meta(region_->data(), geo_, a.slot)->published_gen.store(0, std::memory_order_relaxed);
-    published_[a.slot] = false;
-    abandoned_[a.slot] = true;
-    return;
-  }
-  in_use_.erase(std::find(in_use_.begin(), in_use_.end(), a.slot));
-  free_locked(a.slot);
+  give_back_locked(a.slot);
 }
 
 SendHold::~SendHold() {

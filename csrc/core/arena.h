@@ -220,6 +220,11 @@ class ArenaWriter {
   std::optional<Allocation> allocate_locked(uint64_t nbytes);
   bool reserve_blocks(uint64_t offset, uint64_t len, bool* cold);
   void free_locked(uint32_t slot);
+  /// Slot `slot`'s generation is no longer published (its stub never left this process).
+  void unpublish_locked(uint32_t slot);
+  /// An allocation no reader was ever told of: freed now, or, while send holds still read
+  /// it, unpublished now and freed by reclaim once they end (abandoned_).
+  void give_back_locked(uint32_t slot);
   bool reader_lets_go(uint32_t rank, uint32_t slot, uint64_t gen, bool check_liveness);
 
   std::shared_ptr<ShmRegion> region_;
