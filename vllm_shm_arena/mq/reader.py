@@ -302,8 +302,8 @@ class LocalReaderEnd(_ReaderEnd):
         self.index = index
         self.ring = None
         self.arena: ShmTensorArena | None = None
-        #: Where the ring's blob markers point: the tensor arena, or the queue's blob region.
-        self.blob_arena: ShmTensorArena | None = None
+        #: The queue's blob region (a queue without a tensor arena), attached.
+        self.blob_region: ShmTensorArena | None = None
         #: A relay's last message (its upstream ended): raised by every later dequeue.
         self.ended: StreamEnd | None = None
         try:
@@ -312,9 +312,8 @@ class LocalReaderEnd(_ReaderEnd):
             # failed to attach is untouched, so a join that fails here can be retried.
             if handle.tensor_arena_handle is not None:
                 self.arena = ShmTensorArena.attach(handle.tensor_arena_handle, index)
-            self.blob_arena = self.arena
             if handle.blob_arena_handle is not None:
-                self.blob_arena = ShmTensorArena.attach(handle.blob_arena_handle, index)
+                self.blob_region = ShmTensorArena.attach(handle.blob_arena_handle, index)
             self.ring = _C.MessageRingReader(name, index, shm_dir)
             # Readers copy ring frames out too: leave the others (and the writer) a CPU.
             _C.set_copy_readers(len(handle.local_reader_ranks))
@@ -330,6 +329,12 @@ class LocalReaderEnd(_ReaderEnd):
     @local_socket.setter
     def local_socket(self, sock) -> None:
         self.socket.sock = sock
+
+    @property
+    def blob_arena(self) -> ShmTensorArena | None:
+        """Where the ring's blob markers point: the tensor arena, or the queue's blob
+        region."""
+        return self.arena if self.arena is not None else self.blob_region
 
     # ------------------------------------------------------------------ the ring watch
     def writer_is_dead(self) -> bool:
@@ -465,5 +470,5 @@ class LocalReaderEnd(_ReaderEnd):
             # Stubs can no longer resolve to it; tensors handed out keep their mapping (and
             # pinning) alive on their own.
             self.arena.close()
-        if self.blob_arena is not None and self.blob_arena is not self.arena:
-            self.blob_arena.close()
+        if self.blob_region is not None:
+            self.blob_region.close()

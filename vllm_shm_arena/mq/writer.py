@@ -87,9 +87,8 @@ def _create_arena(n_readers: int, ring) -> tuple[ShmTensorArena | None, sizing.A
 def _create_blob_region(n_readers: int, ring) -> ShmTensorArena | None:
     """The blob region of a queue without a tensor arena, beside its ``ring``: at most
     ``_BLOB_REGION_BYTES``, and at most the share of the free space (what the ring has not
-    backed yet set aside) an arena may take; ``None`` (the
-    local socket carries such messages) when that is under ``_BLOB_REGION_MIN`` or it cannot
-    be made."""
+    backed yet set aside) an arena may take; ``None`` (the local socket carries such
+    messages) when that is under ``_BLOB_REGION_MIN`` or it cannot be made."""
     if _BLOB_REGION_BYTES <= 0:
         return None
     why = ""
@@ -262,9 +261,9 @@ class WriterEnd(End):
         self.ring = None
         self.arena: ShmTensorArena | None = None
         self.arena_size: sizing.ArenaSize | None = None  # when an arena was asked for
-        #: Where messages too big for a ring chunk are packed: the tensor arena, or without
-        #: one a blob region of its own (``_create_blob_region``), or None (the local socket).
-        self.blob_arena: ShmTensorArena | None = None
+        #: A queue without a tensor arena: its own region for messages too big for a ring
+        #: chunk (``_create_blob_region``; None once closed). ``blob_arena`` is where they go.
+        self.blob_region: ShmTensorArena | None = None
         self.blob_max = 0  # largest message packed into an arena blob (0: none)
         #: The sequence number of the last message sent (protocol.py; the first is 1).
         self.seq = 0
@@ -296,16 +295,16 @@ class WriterEnd(End):
                     )
                 else:
                     self.arena, self.arena_size = _create_arena(n_local_reader, self.ring)
-                    self.blob_arena = self.arena
             elif n_local_reader > 0:
-                self.blob_arena = _create_blob_region(n_local_reader, self.ring)
-            blobs = self.blob_arena
-            if blobs is not None and blobs is not self.arena:
+                self.blob_region = _create_blob_region(n_local_reader, self.ring)
+            if self.blob_region is not None:
                 # A region of its own: any message up to half of it (two fit at once; when it
                 # is full, a message goes over the socket).
-                self.blob_max = blobs.slot_bytes // 2
-            elif blobs is not None and blobs.handle().policy == "variable":
-                self.blob_max = (blobs.slot_bytes // _BLOB_SHARE) // (max_chunks + n_local_reader)
+                self.blob_max = self.blob_region.slot_bytes // 2
+            elif self.arena is not None and self.arena.handle().policy == "variable":
+                self.blob_max = (self.arena.slot_bytes // _BLOB_SHARE) // (
+                    max_chunks + n_local_reader
+                )
         except BaseException:
             self.lifecycle.abandon()
             if self.ring is not None:
@@ -322,11 +321,7 @@ class WriterEnd(End):
             remote_subscribe_addr=remote_addr,
             remote_addr_ipv6=self.sockets.remote_ipv6,
             tensor_arena_handle=self.arena.handle() if self.arena else None,
-            blob_arena_handle=(
-                self.blob_arena.handle()
-                if self.blob_arena is not None and self.blob_arena is not self.arena
-                else None
-            ),
+            blob_arena_handle=self.blob_region.handle() if self.blob_region else None,
         )
 
     # vLLM's attribute names for the sockets (tests stand proxies in for them).
@@ -356,11 +351,14 @@ class WriterEnd(End):
             arena.unlink()
 
     def _arenas(self) -> list[ShmTensorArena]:
-        """The tensor arena and the blob region, each once (either may be absent)."""
-        out = [self.arena] if self.arena is not None else []
-        if self.blob_arena is not None and self.blob_arena is not self.arena:
-            out.append(self.blob_arena)
-        return out
+        """The tensor arena and the blob region (at most one of them exists)."""
+        return [a for a in (self.arena, self.blob_region) if a is not None]
+
+    @property
+    def blob_arena(self) -> ShmTensorArena | None:
+        """Where a message too big for a ring chunk is packed: the tensor arena, or the
+        queue's own blob region; None: the local socket."""
+        return self.arena if self.arena is not None else self.blob_region
 
     # ------------------------------------------------------------------ sending
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
@@ -440,8 +438,8 @@ class WriterEnd(End):
                 )
                 if ring.reserve(WAIT_SLICE_S if left is None else min(WAIT_SLICE_S, left)):
                     break
-            blobs = self.blob_arena  # None once closed (_close_locked)
-            if not fits and blobs is not None and self.blob_max:
+            blobs = self.blob_arena if not fits else None  # None once closed (_close_locked)
+            if blobs is not None and self.blob_max:
                 # Stored in the C call that allocated and published it: settle gives it back.
                 write = blobs.write_blob
                 _C.call_store(sending.ring, "blob", write, (frames, self.blob_max))
@@ -593,8 +591,8 @@ class WriterEnd(End):
             out["liveness_unknown"] = self.ring.liveness_unknown()
         if self.arena is not None:
             out["arena"] = self.arena.stats()
-        elif self.blob_arena is not None:
-            out["blob_region"] = self.blob_arena.stats(holdings=False)
+        if self.blob_region is not None:
+            out["blob_region"] = self.blob_region.stats(holdings=False)
         if self.arena_size is not None:
             out["arena_size"] = self.arena_size.as_dict()
         return out
@@ -612,7 +610,6 @@ class WriterEnd(End):
             metrics.record_writer_stats(self.arena.stats(), key=self.arena.name)  # totals
         for arena in self._arenas():
             arena.close()
-        if self.blob_arena is not self.arena:
-            # Nothing outside this end holds the blob region (readers copy blobs out): its
-            # mapping, and the shared memory of its tables, go now rather than with this end.
-            self.blob_arena = None
+        # Nothing outside this end holds the blob region (readers copy blobs out): its
+        # mapping, and the shared memory of its tables, go now rather than with this end.
+        self.blob_region = None

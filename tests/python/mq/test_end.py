@@ -86,7 +86,7 @@ def test_each_end_has_only_its_roles_state(roles):
         "ring",
         "arena",
         "arena_size",
-        "blob_arena",
+        "blob_region",
         "blob_max",
         "sockets",
         "handle",
@@ -95,7 +95,7 @@ def test_each_end_has_only_its_roles_state(roles):
         "keys",
     }
     readers = common | {"handle", "keys", "last_dequeue_s", "socket", "inbox", "broken"}
-    assert set(vars(local._end)) == readers | {"index", "ring", "arena", "blob_arena", "ended"}
+    assert set(vars(local._end)) == readers | {"index", "ring", "arena", "blob_region", "ended"}
     assert set(vars(remote._end)) == readers | {"ranks", "checked"}
 
 
