@@ -19,16 +19,22 @@ using Clock = std::chrono::steady_clock;
 uint64_t align_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 struct Offsets {
-  uint64_t readers, slots, releases, releases_stride, data, data_bytes, total;
+  uint64_t readers, slots, releases, releases_stride, forwards, data, data_bytes, total;
 };
 
-Offsets layout_for(uint32_t n_readers, uint32_t max_slots, uint64_t data_bytes) {
+// Every product and sum below is bounded: n_readers <= 2^10, max_slots <= 2^20, entries of
+// 16 B at most, data_bytes <= 2^44 (checked by every caller).
+Offsets layout_for(uint32_t n_readers, uint32_t max_slots, uint64_t data_bytes, bool counted) {
   Offsets o;
+  const uint64_t entry = counted ? sizeof(CountEntry) : sizeof(uint64_t);
   o.readers = kHeaderBytes;
   o.slots = align_up(o.readers + uint64_t{n_readers} * sizeof(ReaderEntry), kCacheLine);
   o.releases = align_up(o.slots + uint64_t{max_slots} * sizeof(SlotMeta), kCacheLine);
-  o.releases_stride = align_up(uint64_t{max_slots} * sizeof(uint64_t), kCacheLine);
-  o.data = align_up(o.releases + uint64_t{n_readers} * o.releases_stride, kDataAlign);
+  o.releases_stride = align_up(uint64_t{max_slots} * entry, kCacheLine);
+  o.forwards = o.releases + uint64_t{n_readers} * o.releases_stride;
+  const uint64_t forwards_bytes = counted ? uint64_t{max_slots} * sizeof(CountEntry) : 0;
+  o.data = align_up(o.forwards + forwards_bytes, kDataAlign);
+  if (!counted) o.forwards = o.data;
   o.data_bytes = data_bytes;
   o.total = o.data + data_bytes;
   return o;
@@ -47,6 +53,66 @@ std::atomic<uint64_t>* released_gen(uint8_t* base, const ArenaGeometry& g, uint3
   return reinterpret_cast<std::atomic<uint64_t>*>(base + g.releases_offset +
                                                   uint64_t{rank} * g.releases_stride) +
          slot;
+}
+// Counted arenas: reader `rank`'s acked count of `slot`, and the slot's forwarded count.
+CountEntry* acked_entry(uint8_t* base, const ArenaGeometry& g, uint32_t rank, uint32_t slot) {
+  return reinterpret_cast<CountEntry*>(base + g.releases_offset +
+                                       uint64_t{rank} * g.releases_stride) +
+         slot;
+}
+CountEntry* forwarded_entry(uint8_t* base, const ArenaGeometry& g, uint32_t slot) {
+  return reinterpret_cast<CountEntry*>(base + g.forwards_offset) + slot;
+}
+
+// A CountEntry's generation word while its one writer stores a new generation's count.
+constexpr uint64_t kCountUpdating = ~uint64_t{0};
+
+// What a CountEntry says about generation `g` (arena_layout.h: the seqlock).
+enum class CountRead { kCount, kOtherGeneration, kUpdating };
+CountRead read_count(const CountEntry* e, uint64_t g, uint64_t* count) {
+  // SYNC POINT: acquire; pairs with the release store of the generation in store_count(): the
+  // count stored before it is visible.
+  const uint64_t g1 = e->generation.load(std::memory_order_acquire);
+  if (g1 == kCountUpdating) return CountRead::kUpdating;
+  if (g1 != g) return CountRead::kOtherGeneration;
+  // SYNC POINT: acquire; pairs with the release store of a same-generation count in
+  // store_count(): what the entry's writer did before that store is visible.
+  const uint64_t c = e->count.load(std::memory_order_acquire);
+  // SYNC POINT: acquire fence; orders the count load before the re-check of the generation
+  // (seqlock reader), pairing with the release fence in store_count().
+  std::atomic_thread_fence(std::memory_order_acquire);
+  // SYNC POINT: relaxed; ordered by the fence above.
+  if (e->generation.load(std::memory_order_relaxed) != g) return CountRead::kUpdating;
+  *count = c;
+  return CountRead::kCount;
+}
+
+// The entry's own count for `g` as its one writer sees it (0 if it holds another generation).
+uint64_t own_count(const CountEntry* e, uint64_t g) {
+  // SYNC POINT: relaxed (both); the calling process is the entry's only writer.
+  if (e->generation.load(std::memory_order_relaxed) != g) return 0;
+  return e->count.load(std::memory_order_relaxed);
+}
+
+// Stores `count` as the entry's count for `g`; only the entry's one writer calls it.
+void store_count(CountEntry* e, uint64_t g, uint64_t count) {
+  // SYNC POINT: relaxed; the calling process is the entry's only writer.
+  if (e->generation.load(std::memory_order_relaxed) == g) {
+    // SYNC POINT: release; pairs with the acquire load of the count in read_count(): every
+    // access to the slot's bytes before this store happens-before the writer recycles it.
+    e->count.store(count, std::memory_order_release);
+    return;
+  }
+  // A new generation, as a seqlock writer: mark, count, generation.
+  // SYNC POINT: relaxed; ordered before the count by the release fence below.
+  e->generation.store(kCountUpdating, std::memory_order_relaxed);
+  // SYNC POINT: release fence; pairs with the acquire fence in read_count(): a reader that
+  // loads the new count also sees the mark (or the new generation) on its re-check.
+  std::atomic_thread_fence(std::memory_order_release);
+  // SYNC POINT: relaxed; published by the release store of the generation below.
+  e->count.store(count, std::memory_order_relaxed);
+  // SYNC POINT: release; pairs with the acquire load of the generation in read_count().
+  e->generation.store(g, std::memory_order_release);
 }
 
 // One slot's metadata, read once from shared memory and checked against the geometry:
@@ -130,6 +196,9 @@ ArenaGeometry validate_header(const ArenaHeader* h, uint64_t region_bytes,
   g.data_offset = h->data_offset;
   g.data_bytes = h->data_bytes;
   g.slot_bytes = h->slot_bytes;
+  const uint32_t counted = h->counted;
+  const uint32_t reserved0 = h->reserved0;
+  g.forwards_offset = h->forwards_offset;
   if (magic != kArenaMagic) throw bad("wrong magic number (a foreign or garbage segment)");
   if (version != kArenaLayoutVersion) {
     throw bad("layout version " + std::to_string(version) + ", this build reads " +
@@ -146,11 +215,14 @@ ArenaGeometry validate_header(const ArenaHeader* h, uint64_t region_bytes,
   if (g.data_bytes == 0 || g.data_bytes > region_bytes) {
     throw bad("data region size out of range");
   }
+  if (counted > 1 || reserved0 != 0) throw bad("unknown arena mode");
+  g.counted = counted == 1;
   // n_readers and max_slots are bounded above, so the table sizes cannot overflow.
-  Offsets o = layout_for(g.n_readers, g.max_slots, g.data_bytes);
+  Offsets o = layout_for(g.n_readers, g.max_slots, g.data_bytes, g.counted);
   if (g.readers_offset != o.readers || g.slots_offset != o.slots ||
       g.releases_offset != o.releases || g.releases_stride != o.releases_stride ||
-      g.data_offset != o.data || o.data > region_bytes || g.data_bytes != region_bytes - o.data) {
+      g.forwards_offset != o.forwards || g.data_offset != o.data || o.data > region_bytes ||
+      g.data_bytes != region_bytes - o.data) {
     throw bad("table offsets do not match the sizes in the header");
   }
   if (policy == static_cast<uint32_t>(PolicyKind::kFixedSlots)) {
@@ -196,7 +268,7 @@ uint64_t payload_checksum(const uint8_t* p, uint64_t n) {
 uint64_t arena_region_bytes(const ArenaConfig& cfg) {
   check_config(cfg);
   auto [slots, data_bytes] = slots_and_data_bytes(cfg);
-  return layout_for(cfg.n_readers, slots, data_bytes).total;
+  return layout_for(cfg.n_readers, slots, data_bytes, cfg.counted).total;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -216,6 +288,7 @@ ArenaWriter::ArenaWriter(std::shared_ptr<ShmRegion> region, const ArenaGeometry&
   published_.assign(n, false);
   published_at_.resize(n);
   loan_hold_.assign(n, false);
+  sent_.assign(n, 0);
   abandoned_.assign(n, false);
   send_holds_ = std::make_shared<SendHoldTable>(n);
   reserved_.assign((geo_.data_bytes + kDataAlign - 1) / kDataAlign, false);
@@ -236,7 +309,7 @@ void ArenaWriter::require_owner(const char* what) const {
 std::unique_ptr<ArenaWriter> ArenaWriter::create(const ArenaConfig& cfg) {
   check_config(cfg);
   auto [slots, data_bytes] = slots_and_data_bytes(cfg);
-  Offsets o = layout_for(cfg.n_readers, slots, data_bytes);
+  Offsets o = layout_for(cfg.n_readers, slots, data_bytes, cfg.counted);
   std::unique_ptr<LivenessToken> token;
   ArenaGeometry geo;
   auto init = [&](ShmRegion& region) {
@@ -269,6 +342,8 @@ std::unique_ptr<ArenaWriter> ArenaWriter::create(const ArenaConfig& cfg) {
     h->data_offset = o.data;
     h->data_bytes = o.data_bytes;
     h->slot_bytes = cfg.policy == PolicyKind::kFixedSlots ? data_bytes / slots : 0;
+    h->counted = cfg.counted ? 1 : 0;
+    h->forwards_offset = o.forwards;
     // SYNC POINT: relaxed; only this process runs until the name is shared.
     h->writer_pid.store(static_cast<uint64_t>(this_pid()), std::memory_order_relaxed);
     // SYNC POINT: relaxed; information for a writer taking over after this one died (see
@@ -285,6 +360,12 @@ std::unique_ptr<ArenaWriter> ArenaWriter::attach(const std::string& name, const 
   auto region = ShmRegion::attach(name, dir, kHeaderBytes);
   auto* h = reinterpret_cast<ArenaHeader*>(region->data());
   ArenaGeometry geo = validate_header(h, region->size(), name);
+  if (geo.counted) {
+    // The sends to reader 0 were counted in the dead writer's memory only.
+    throw InvalidArgument("arena '" + name +
+                          "' is a counted arena, whose writer cannot be taken over: create a "
+                          "new arena");
+  }
   std::unique_ptr<LivenessToken> token;
   try {
     token = LivenessToken::take(region->path(), kWriterTokenByte, region->fd());
@@ -364,17 +445,51 @@ void ArenaWriter::count_decline(DeclineReason why) {
   ++stats_.declined[static_cast<size_t>(why)];
 }
 
-bool ArenaWriter::reader_lets_go(uint32_t rank, uint32_t slot, uint64_t gen, bool check_liveness) {
+std::optional<uint64_t> ArenaWriter::owed_by(uint32_t rank, uint32_t slot) const {
+  if (rank == 0) return sent_[slot];
+  uint64_t forwarded = 0;
+  switch (read_count(forwarded_entry(region_->data(), geo_, slot), gen_[slot], &forwarded)) {
+    case CountRead::kCount:
+      return forwarded;
+    case CountRead::kOtherGeneration:
+      return 0;  // reader 0 never forwarded this generation
+    case CountRead::kUpdating:
+      break;
+  }
+  return std::nullopt;  // reader 0 is storing its first forward now (or died doing so)
+}
+
+bool ArenaWriter::reader_done(uint32_t rank, uint32_t slot, uint64_t gen,
+                              std::optional<uint64_t> owed) const {
+  uint8_t* base = region_->data();
+  if (!geo_.counted) {
+    // SYNC POINT: acquire; pairs with the release store in ArenaReader::release(): the
+    // reader's last access to the bytes happens-before the writer reuses them.
+    return released_gen(base, geo_, rank, slot)->load(std::memory_order_acquire) == gen;
+  }
+  if (!owed) return false;
+  uint64_t acked = 0;
+  // The acquire loads in read_count pair with the release stores in store_count() (the
+  // reader's acks): its last access to the bytes happens-before the writer reuses them.
+  switch (read_count(acked_entry(base, geo_, rank, slot), gen, &acked)) {
+    case CountRead::kCount:
+      return acked == *owed;
+    case CountRead::kOtherGeneration:
+      return *owed == 0;
+    case CountRead::kUpdating:
+      break;
+  }
+  return false;
+}
+
+bool ArenaWriter::reader_lets_go(uint32_t rank, uint32_t slot, uint64_t gen,
+                                 std::optional<uint64_t> owed, bool check_liveness) {
   ReaderEntry* e = reader_entry(region_->data(), geo_, rank);
   // SYNC POINT: acquire; pairs with the release store of kDetached in ArenaReader::detach()
   // (everything the reader did before detaching happens-before we recycle).
   auto state = static_cast<ReaderState>(e->state.load(std::memory_order_acquire));
   if (state == ReaderState::kDetached || state == ReaderState::kDead) return true;
-  // SYNC POINT: acquire; pairs with the release store in ArenaReader::release(): the
-  // reader's last access to the bytes happens-before the writer reuses them.
-  if (released_gen(region_->data(), geo_, rank, slot)->load(std::memory_order_acquire) == gen) {
-    return true;
-  }
+  if (reader_done(rank, slot, gen, owed)) return true;
   if (!check_liveness || state != ReaderState::kAttached) return false;
   auto now = Clock::now();
   if (now - last_liveness_check_[rank] < std::chrono::milliseconds(1)) return false;
@@ -409,8 +524,12 @@ size_t ArenaWriter::reclaim_locked(bool check_liveness) {
     // Given back unsent (abandoned_): no reader was ever told of it, so none needs to let go.
     if (free && !abandoned_[rec]) {
       free = published_[rec] && !loan_hold_[rec];
+      // Counted: reader 0 first. Its acks pair with our acquire loads, and it stores every
+      // forward before its ack, so once it let go the forwarded count read next is final.
       for (uint32_t r = 0; free && r < geo_.n_readers; ++r) {
-        free = reader_lets_go(r, rec, gen_[rec], check_liveness);
+        std::optional<uint64_t> owed;
+        if (geo_.counted) owed = owed_by(r, rec);
+        free = reader_lets_go(r, rec, gen_[rec], owed, check_liveness);
       }
     }
     if (!free) {
@@ -458,6 +577,7 @@ void ArenaWriter::free_locked(uint32_t rec) {
   slot_meta(region_->data(), geo_, rec)->published_gen.store(0, std::memory_order_relaxed);
   gen_[rec] = 0;
   published_[rec] = false;
+  sent_[rec] = 0;
   abandoned_[rec] = false;
   if (loan_hold_[rec]) {
     loan_hold_[rec] = false;
@@ -570,11 +690,32 @@ bool ArenaWriter::publish_loan(uint32_t slot, uint64_t generation) {
       throw InvalidArgument("publish_loan: slot " + std::to_string(slot) + " generation " +
                             std::to_string(generation) + " is not a live loan");
     }
-    if (published_[slot]) return false;
+    if (published_[slot]) {
+      if (!geo_.counted) return false;
+      // Counted: one more send of the same bytes to reader 0.
+      ++sent_[slot];
+      ++stats_.sends;
+      ++stats_.loans_sent;
+      return true;
+    }
     ++stats_.loans_sent;
   }
   publish(live_[slot]);
   return true;
+}
+
+void ArenaWriter::unsend(uint32_t slot, uint64_t generation) {
+  require_owner("unsend");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!geo_.counted) throw InvalidArgument("unsend: arena '" + name() + "' is not counted");
+  if (slot >= gen_.size() || gen_[slot] != generation || !published_[slot] || sent_[slot] == 0) {
+    throw InvalidArgument("unsend: allocation (slot " + std::to_string(slot) + ", generation " +
+                          std::to_string(generation) + ") has no send to take back");
+  }
+  --sent_[slot];
+  --stats_.sends;
+  ++stats_.unsends;
+  if (loan_hold_[slot]) --stats_.loans_sent;
 }
 
 void ArenaWriter::end_loan(uint32_t slot, uint64_t generation) {
@@ -609,6 +750,10 @@ void ArenaWriter::publish(const Allocation& a) {
   // visible to a reader that sees the generation.
   m->published_gen.store(a.generation, std::memory_order_release);
   published_[a.slot] = true;
+  if (geo_.counted) {
+    sent_[a.slot] = 1;  // publishing is the first send to reader 0
+    ++stats_.sends;
+  }
   published_at_[a.slot] = Clock::now();
   ++stats_.hits;
   stats_.bytes += a.nbytes;
@@ -629,6 +774,19 @@ void ArenaWriter::abort(const Allocation& stub) {
   // Counters come from what allocate() handed out, not from the caller's copy.
   const Allocation& a = live_[stub.slot];
   const bool was_published = published_[a.slot];
+  if (geo_.counted && was_published && sent_[a.slot] > 1) {
+    // Sent before: only this send is taken back; reader 0 still owes the earlier ones.
+    --sent_[a.slot];
+    --stats_.sends;
+    ++stats_.unsends;
+    if (loan_hold_[a.slot]) --stats_.loans_sent;
+    return;
+  }
+  if (geo_.counted && was_published) {
+    sent_[a.slot] = 0;
+    --stats_.sends;
+    ++stats_.unsends;
+  }
   if (was_published) {
     // Undo the publish counters: the allocation never reached anyone.
     --stats_.hits;
@@ -715,8 +873,18 @@ std::vector<ReaderHolding> ArenaWriter::holdings() const {
     if (out[r].state == ReaderState::kDetached || out[r].state == ReaderState::kDead) continue;
     for (uint32_t rec : in_use_) {
       if (!published_[rec]) continue;
-      // SYNC POINT: relaxed; monitoring only (see above).
-      if (released_gen(base, geo_, r, rec)->load(std::memory_order_relaxed) == gen_[rec]) continue;
+      std::optional<uint64_t> owed;
+      if (geo_.counted) {
+        owed = owed_by(r, rec);
+        uint64_t acked = 0;
+        if (owed &&
+            read_count(acked_entry(base, geo_, r, rec), gen_[rec], &acked) == CountRead::kCount) {
+          out[r].owed += *owed > acked ? *owed - acked : 0;
+        } else if (owed) {
+          out[r].owed += *owed;
+        }
+      }
+      if (reader_done(r, rec, gen_[rec], owed)) continue;
       ++out[r].slots_held;
       double age = std::chrono::duration<double>(now - published_at_[rec]).count();
       out[r].oldest_age_seconds = std::max(out[r].oldest_age_seconds, age);
@@ -765,6 +933,11 @@ std::shared_ptr<ArenaReader> ArenaReader::attach(
   // SYNC POINT: acquire; pairs with the release stores of the state in detach() and the
   // writer's DEAD CAS: an earlier holder of this rank is gone (we hold its token now).
   auto prev = static_cast<ReaderState>(e->state.load(std::memory_order_acquire));
+  if (prev != ReaderState::kNeverAttached && geo.counted) {
+    // What the earlier holder owed (acquires it never acked) is unknown to a newcomer.
+    throw InvalidArgument("reader rank " + std::to_string(rank) + " of counted arena '" + name +
+                          "' was attached before; the ranks of a counted arena attach once");
+  }
   if (prev != ReaderState::kNeverAttached) {
     // A replacement reader starts with nothing held: mark every slot published so far as
     // released by this rank, so the writer does not wait for messages the old process took
@@ -827,7 +1000,8 @@ const uint8_t* ArenaReader::acquire(uint32_t slot, uint64_t generation, uint64_t
   if (detached_) throw InvalidArgument("arena '" + name() + "' reader is closed");
   auto it = holds_.find(slot);
   if (it != holds_.end()) {
-    // Already held by this process: the writer can't have recycled it.
+    // Already held by this process: the writer can't have recycled it (accept-once: this
+    // reader has not released it; counted: the acquires it holds are not acked yet).
     if (it->second.generation != generation) {
       throw InvalidArgument("stale stub for slot " + std::to_string(slot) + ": generation " +
                             std::to_string(generation) + ", slot holds generation " +
@@ -843,8 +1017,10 @@ const uint8_t* ArenaReader::acquire(uint32_t slot, uint64_t generation, uint64_t
                             std::to_string(generation) + ", slot holds generation " +
                             std::to_string(g) + " (already recycled or never published)");
     }
-    // SYNC POINT: relaxed; this reader is the only writer of its own flag.
-    if (released_gen(base, geo_, rank_, slot)->load(std::memory_order_relaxed) == generation) {
+    // SYNC POINT: relaxed; this reader is the only writer of its own flag. (Counted arenas
+    // take a stub any number of times: each one sent is owed until acked.)
+    if (!geo_.counted &&
+        released_gen(base, geo_, rank_, slot)->load(std::memory_order_relaxed) == generation) {
       throw InvalidArgument("slot " + std::to_string(slot) + " generation " +
                             std::to_string(generation) + " was already released by reader " +
                             std::to_string(rank_));
@@ -854,17 +1030,22 @@ const uint8_t* ArenaReader::acquire(uint32_t slot, uint64_t generation, uint64_t
     if (!read_slot(base, geo_, slot, &c)) {
       throw InvalidArgument("slot " + std::to_string(slot) + " metadata is corrupt");
     }
-    it = holds_.emplace(slot, Hold{generation, 0, c.offset, c.nbytes, c.checksum}).first;
+    it = holds_.emplace(slot, Hold{generation, 0, c.offset, c.nbytes, c.checksum, 0}).first;
+    holds_by_offset_[c.offset] = slot;
   }
   const Hold& hold = it->second;
   if (offset > hold.nbytes || nbytes > hold.nbytes - offset) {
     uint64_t written = hold.nbytes;
-    if (it->second.count == 0) holds_.erase(it);
+    if (it->second.count == 0) {
+      holds_by_offset_.erase(hold.offset);
+      holds_.erase(it);
+    }
     throw InvalidArgument("nbytes " + std::to_string(nbytes) + " at offset " +
                           std::to_string(offset) + " does not fit the " + std::to_string(written) +
                           " bytes written to slot " + std::to_string(slot));
   }
   ++it->second.count;
+  ++it->second.acquires;
   return base + hold.offset + offset;
 }
 
@@ -877,12 +1058,20 @@ void ArenaReader::release(uint32_t slot, uint64_t generation) {
   if (--it->second.count > 0) return;
   Hold hold = it->second;
   holds_.erase(it);
+  holds_by_offset_.erase(hold.offset);
   if (hold.checksum != 0 &&
       payload_checksum(region_->data() + hold.offset, hold.nbytes) != hold.checksum) {
     mismatches_.fetch_add(1, std::memory_order_relaxed);
   }
-  // SYNC POINT: release; pairs with the writer's acquire load in reader_lets_go(): every
-  // read of the slot by this process happens-before the writer recycles it.
+  if (geo_.counted) {
+    // Every acquire of this hold acked at once (store_count's release store pairs with the
+    // writer's acquire loads in reader_done()).
+    CountEntry* e = acked_entry(region_->data(), geo_, rank_, slot);
+    store_count(e, generation, own_count(e, generation) + hold.acquires);
+    return;
+  }
+  // SYNC POINT: release; pairs with the writer's acquire load in reader_done(): every read of
+  // the slot by this process happens-before the writer recycles it.
   released_gen(region_->data(), geo_, rank_, slot)->store(generation, std::memory_order_release);
 }
 
@@ -890,13 +1079,74 @@ void ArenaReader::release_unacquired(uint32_t slot, uint64_t generation) {
   if (slot >= geo_.max_slots || !valid_generation(generation) || foreign()) return;
   uint8_t* base = region_->data();
   std::lock_guard<std::mutex> lock(mu_);
-  if (holds_.count(slot) != 0) return;  // acquired after all; release() will handle it
+  // Accept-once: acquired after all, release() will handle it. Counted: the holds' acquires
+  // are acked by release(); this stub is one more, acked now.
+  if (!geo_.counted && holds_.count(slot) != 0) return;
   // SYNC POINT: acquire; pairs with the release store in ArenaWriter::publish().
   if (slot_meta(base, geo_, slot)->published_gen.load(std::memory_order_acquire) != generation) {
     return;
   }
-  // SYNC POINT: release; pairs with the writer's acquire load in reader_lets_go().
+  if (geo_.counted) {
+    CountEntry* e = acked_entry(base, geo_, rank_, slot);
+    store_count(e, generation, own_count(e, generation) + 1);  // release: see store_count
+    return;
+  }
+  // SYNC POINT: release; pairs with the writer's acquire load in reader_done().
   released_gen(base, geo_, rank_, slot)->store(generation, std::memory_order_release);
+}
+
+void ArenaReader::require_forwarder(const char* what, uint32_t slot, uint64_t generation) const {
+  if (!geo_.counted || rank_ != 0) {
+    throw InvalidArgument(std::string(what) + ": only reader 0 of a counted arena forwards");
+  }
+  if (foreign()) {
+    throw InvalidArgument(std::string(what) + ": a forked child cannot forward its parent's holds");
+  }
+  if (detached_) throw InvalidArgument(std::string(what) + ": the reader is closed");
+  auto it = holds_.find(slot);
+  if (it == holds_.end() || it->second.generation != generation) {
+    throw InvalidArgument(std::string(what) + ": slot " + std::to_string(slot) + " generation " +
+                          std::to_string(generation) + " is not held by this reader");
+  }
+}
+
+void ArenaReader::forward(uint32_t slot, uint64_t generation) {
+  std::lock_guard<std::mutex> lock(mu_);
+  require_forwarder("forward", slot, generation);
+  CountEntry* e = forwarded_entry(region_->data(), geo_, slot);
+  const uint64_t n = own_count(e, generation);
+  if (n == UINT64_MAX)
+    throw InvalidArgument("forward: the count of slot " + std::to_string(slot) + " would overflow");
+  // Stored while this reader holds the slot, before its ack (release): the writer reads it
+  // only after seeing that ack (reader 0 first, in reclaim).
+  store_count(e, generation, n + 1);
+}
+
+void ArenaReader::unforward(uint32_t slot, uint64_t generation) {
+  std::lock_guard<std::mutex> lock(mu_);
+  require_forwarder("unforward", slot, generation);
+  CountEntry* e = forwarded_entry(region_->data(), geo_, slot);
+  const uint64_t n = own_count(e, generation);
+  if (n == 0) {
+    throw InvalidArgument("unforward: slot " + std::to_string(slot) + " generation " +
+                          std::to_string(generation) + " has no forward to take back");
+  }
+  store_count(e, generation, n - 1);
+}
+
+std::optional<HoldRef> ArenaReader::find_hold(const void* p, uint64_t n) const {
+  const uint8_t* base = region_->data();
+  const uint8_t* q = static_cast<const uint8_t*>(p);
+  if (q < base || q >= base + region_->size()) return std::nullopt;
+  const uint64_t off = static_cast<uint64_t>(q - base);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = holds_by_offset_.upper_bound(off);
+  if (it == holds_by_offset_.begin()) return std::nullopt;
+  --it;
+  const Hold& h = holds_.at(it->second);
+  const uint64_t within = off - it->first;
+  if (within > h.nbytes || n > h.nbytes - within) return std::nullopt;
+  return HoldRef{it->second, h.generation, within, h.nbytes};
 }
 
 size_t ArenaReader::held() const {

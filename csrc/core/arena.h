@@ -44,6 +44,9 @@ struct ArenaConfig {
   uint64_t slot_bytes = 256ull << 20;  ///< fixed-slot policy: bytes per slot (rounded up to 4 KiB)
   uint64_t arena_bytes = 2ull << 30;   ///< variable policy: data region bytes (4 KiB multiple)
   uint32_t max_slots = 1024;           ///< variable policy: live allocations at most
+  /// A counted arena (arena_layout.h): a payload is sent to reader 0 any number of times and
+  /// forwarded by it to the other readers; accept-once (false) lets each reader take it once.
+  bool counted = false;
   std::string dir = ShmRegion::default_dir();  ///< where the shm name lives
   std::string prefix = "vsa_";                 ///< name prefix, followed by 128 random bits
 };
@@ -70,9 +73,19 @@ struct WriterStats {
   uint64_t loans = 0;             ///< allocations lent to the writer to fill in place
   uint64_t loans_sent = 0;        ///< loans published without a copy
   uint64_t loans_returned = 0;    ///< loans dropped unsent (space given back)
+  uint64_t sends = 0;             ///< counted arenas: stubs sent to reader 0 (publish counts one)
+  uint64_t unsends = 0;           ///< counted arenas: sends taken back (the send failed)
   uint32_t in_use = 0;            ///< slots currently published or being filled
   uint64_t free_bytes = 0;        ///< variable policy: bytes free now
   uint64_t largest_free = 0;      ///< variable policy: largest free extent now
+};
+
+/// Where a pointer range falls inside an allocation a reader holds (ArenaReader::find_hold).
+struct HoldRef {
+  uint32_t slot = 0;
+  uint64_t generation = 0;
+  uint64_t offset = 0;  ///< of the range within the allocation
+  uint64_t nbytes = 0;  ///< payload bytes of the allocation
 };
 
 /// Where a pointer range falls inside a loaned allocation.
@@ -88,6 +101,7 @@ struct ReaderHolding {
   uint32_t rank = 0;
   ReaderState state = ReaderState::kNeverAttached;
   uint32_t slots_held = 0;        ///< published slots this reader has not released
+  uint64_t owed = 0;              ///< counted arenas: acquires it owes an ack, over those slots
   double oldest_age_seconds = 0;  ///< age of the oldest of them (0 if none)
 };
 
@@ -160,7 +174,9 @@ class ArenaWriter {
   std::optional<Allocation> allocate(uint64_t nbytes);
   /// Makes a filled allocation visible to readers.
   void publish(const Allocation& a);
-  /// Gives an unpublished — or published but never sent — allocation back at once. Only
+  /// Gives an unpublished — or published but never sent — allocation back at once. In a
+  /// counted arena, a published allocation's last send is taken back (unsend) and, when
+  /// none is left, given back as above. Only
   /// `slot` and `generation` of `a` are read; a stale pair is ignored, and giving one back twice
   /// is harmless (the second call finds nothing to undo).
   void abort(const Allocation& a);
@@ -175,8 +191,13 @@ class ArenaWriter {
   /// The loan holding [p, p+n) entirely, if any.
   std::optional<LoanRef> find_loan(const void* p, uint64_t n) const;
   /// Publishes a loan for sending. False if it was already published (sent before): the
-  /// caller must then send a copy, since readers may have released the first send.
+  /// caller must then send a copy, since readers may have released the first send. In a
+  /// counted arena every call is one more send to reader 0 (always true).
   bool publish_loan(uint32_t slot, uint64_t generation);
+  /// Counted arenas: takes back one send of published allocation (`slot`, `generation`)
+  /// whose message did not go (reader 0 will never ack it). InvalidArgument on an
+  /// accept-once arena, or when that allocation has no send to take back.
+  void unsend(uint32_t slot, uint64_t generation);
   /// The writer's last view of a loan died: an unsent loan is freed, a sent one is left to
   /// its readers.
   void end_loan(uint32_t slot, uint64_t generation);
@@ -203,6 +224,7 @@ class ArenaWriter {
   const std::string& name() const { return region_->name(); }
   uint32_t n_readers() const { return geo_.n_readers; }
   uint32_t max_slots() const { return geo_.max_slots; }
+  bool counted() const { return geo_.counted; }
   const ArenaGeometry& geometry() const { return geo_; }
   const std::shared_ptr<ShmRegion>& region() const { return region_; }
   /// Removes the shm name (mappings stay valid); readers can no longer attach. A no-op in a
@@ -225,7 +247,16 @@ class ArenaWriter {
   /// An allocation no reader was ever told of: freed now, or, while send holds still read
   /// it, unpublished now and freed by reclaim once they end (abandoned_).
   void give_back_locked(uint32_t slot);
-  bool reader_lets_go(uint32_t rank, uint32_t slot, uint64_t gen, bool check_liveness);
+  /// Whether reader `rank` no longer holds (`slot`, `gen`): detached, dead (checked when
+  /// `check_liveness`), or done with it. Accept-once: released it; counted: acked `owed`
+  /// acquires (nullopt: the count it owes cannot be read now, so it holds).
+  bool reader_lets_go(uint32_t rank, uint32_t slot, uint64_t gen, std::optional<uint64_t> owed,
+                      bool check_liveness);
+  /// Whether reader `rank` is done with (`slot`, `gen`), from its own entry alone.
+  bool reader_done(uint32_t rank, uint32_t slot, uint64_t gen, std::optional<uint64_t> owed) const;
+  /// Counted arenas: the acquires reader `rank` owes for `slot` (reader 0: what was sent;
+  /// the others: what reader 0 forwarded), nullopt when the forwarded count is mid-update.
+  std::optional<uint64_t> owed_by(uint32_t rank, uint32_t slot) const;
 
   std::shared_ptr<ShmRegion> region_;
   ArenaGeometry geo_;  // validated once; never re-read from shared memory
@@ -240,6 +271,7 @@ class ArenaWriter {
   std::vector<bool> published_;
   std::vector<std::chrono::steady_clock::time_point> published_at_;
   std::vector<bool> loan_hold_;  // a writer-side view of a loan is alive
+  std::vector<uint64_t> sent_;   // counted arenas: sends of the live allocation to reader 0
   // Aborted while send holds were alive: freed by reclaim once they end, whatever readers do
   // (none was ever sent this allocation).
   std::vector<bool> abandoned_;
@@ -276,8 +308,17 @@ class ArenaReader {
   /// A no-op in a forked child: the hold is its parent's.
   void release(uint32_t slot, uint64_t generation);
   /// Releases a slot this reader was sent but never acquired (a message it failed to
-  /// unpickle). A no-op if it is already released or was recycled (stale generation).
+  /// unpickle). A no-op if it is already released or was recycled (stale generation). In a
+  /// counted arena, acks that one stub (whatever this reader holds of the slot).
   void release_unacquired(uint32_t slot, uint64_t generation);
+  /// Counted arenas, reader 0 only, while it holds (`slot`, `generation`): one more stub of
+  /// it passed on to the other readers (each owes one more ack). InvalidArgument otherwise.
+  void forward(uint32_t slot, uint64_t generation);
+  /// Takes back one forward whose message did not go; the same conditions as forward, and
+  /// InvalidArgument when nothing was forwarded.
+  void unforward(uint32_t slot, uint64_t generation);
+  /// The allocation this reader holds that contains [p, p+n) entirely, if any.
+  std::optional<HoldRef> find_hold(const void* p, uint64_t n) const;
   /// The generation currently published in `slot` (0 if none).
   uint64_t published_generation(uint32_t slot) const;
   /// Marks this rank detached: the writer stops waiting for it. Called by the destructor. A
@@ -289,6 +330,7 @@ class ArenaReader {
   bool foreign() const;
 
   uint32_t rank() const { return rank_; }
+  bool counted() const { return geo_.counted; }
   uint32_t max_slots() const { return geo_.max_slots; }
   uint64_t max_allocation() const;
   /// Start (from the region's base) and size of the data region.
@@ -319,13 +361,17 @@ class ArenaReader {
   // A held slot keeps the copy of its metadata taken (and validated) at its first acquire.
   struct Hold {
     uint64_t generation;
-    uint32_t count;
+    uint32_t count;     // acquires not yet released
     uint64_t offset;    // of the allocation, from the region's base
     uint64_t nbytes;    // payload bytes written
     uint64_t checksum;  // debug mode's checksum at publish, 0 = none
+    uint64_t acquires;  // counted arenas: acquires since the hold began (acked together)
   };
+  /// Checks (under mu_) that this is reader 0 of a counted arena holding (slot, generation).
+  void require_forwarder(const char* what, uint32_t slot, uint64_t generation) const;
   std::unordered_map<uint32_t, Hold> holds_;
-  std::atomic<uint64_t> mismatches_{0};  // process-local counter, not shared memory
+  std::map<uint64_t, uint32_t> holds_by_offset_;  // held allocations: offset -> slot
+  std::atomic<uint64_t> mismatches_{0};           // process-local counter, not shared memory
 };
 
 }  // namespace vllm_shm_arena

@@ -13,6 +13,10 @@
 //                      | reader 1: released_gen[max_slots]  (padded to 64 B)         |
 //                      | ...      each reader writes only its own block: no false      |
 //                      |          sharing between readers                              |
+//                      | (counted arenas: CountEntry acked[max_slots] per reader)      |
+//  forwards_offset     +---------------------------------------------------------------+
+//                      | counted arenas only: CountEntry forwarded[max_slots], written |
+//                      | by reader 0 (the holder); empty in accept-once arenas         |
 //  data_offset (2 MiB) +---------------------------------------------------------------+
 //                      | data: allocations handed out by the writer's policy           |
 //                      | (fixed slots: slot i at i * slot_bytes)                       |
@@ -42,6 +46,36 @@
 // A NEVER_ATTACHED reader still counts as holding every published slot: its messages may
 // be queued for it already. DETACHED and DEAD readers hold nothing.
 //
+// Counted arenas (ArenaConfig::counted, the header's `counted` word). The accept-once rules
+// above let each reader take a stub once. A counted arena is for a payload sent many times
+// (a cached image: every request that uses it sends it again) and passed on by its first
+// reader: reader 0 (the holder) is sent stubs by the writer and forwards them to readers
+// 1..n-1. Counts, each tied to the slot's generation:
+//   sent          writer-private: the stubs of (slot, g) the writer sent to reader 0
+//                 (publish_loan counts one per call, unsend takes one back);
+//   forwarded     CountEntry per slot, written by reader 0 only, while it holds (slot, g):
+//                 the stubs it passed on (each worker is sent every one of them);
+//   acked[r]      CountEntry per reader and slot, written by reader r only: the acquires of
+//                 (slot, g) it let go of (a hold's acquires are acked together when its last
+//                 view dies; a stub it failed to unpickle is acked unacquired).
+// A reader may acquire (slot, g) any number of times while g is published. The writer frees
+// the slot iff the writer's own view (a loan) is gone and
+//   reader 0 lets go:   DETACHED or DEAD, or acked[0] == sent;
+//   reader r >= 1:      DETACHED or DEAD, or acked[r] == forwarded (a NEVER_ATTACHED reader
+//                       owes what was forwarded: its messages may be queued for it).
+// Order: reader 0 stores a forward before its own ack (release), and the writer loads
+// acked[0] (acquire) before forwarded, so once acked[0] == sent no forward is missed. A
+// legitimate stub is always owed when its reader gets it (counted before it was sent), so
+// the slot cannot be freed under an acquire of it. Ranks of a counted arena attach once (a
+// replacement cannot know what its predecessor owed) and its writer cannot be taken over
+// (the sent counts are private); both are refused.
+//
+// A CountEntry is a (generation, count) pair in two words, written by one process as a
+// seqlock: a new generation stores gen = 0, then the count, then gen = g (release); a reader
+// of it loads gen (acquire), the count, then gen again after an acquire fence, and uses the
+// count only if both loads gave g. A count of the same generation only grows (acked, a
+// forward) or shrinks by an unforward, stored with release.
+//
 // Liveness (core/liveness.h): each role holds an open-file-description lock on one byte of
 // this segment's file, the writer byte 0, reader r byte 1 + r. The writer takes its lock
 // before the segment gets its final name; a reader takes its own before it stores ATTACHED.
@@ -61,7 +95,9 @@
 namespace vllm_shm_arena {
 
 constexpr uint64_t kArenaMagic = 0x414e455241415356ull;  // "VSAARENA" little-endian
-constexpr uint32_t kArenaLayoutVersion = 2;  // 2: liveness tokens replace pid identities
+// 2: liveness tokens replace pid identities; 3: counted arenas (the `counted` and
+// `forwards_offset` header words).
+constexpr uint32_t kArenaLayoutVersion = 3;
 constexpr uint64_t kHeaderBytes = 4096;
 constexpr uint64_t kCacheLine = 64;
 constexpr uint64_t kDataAlign = 2ull << 20;  // 2 MiB: huge-page friendly where tmpfs has them.
@@ -107,6 +143,9 @@ struct ArenaHeader {
   std::atomic<uint64_t> writer_pid;  // pid of the writer (messages only; the token decides)
   // The writer's next generation, for a takeover only (the live writer never reads it).
   std::atomic<uint64_t> next_generation;
+  uint32_t counted;          // 1: a counted arena (see above), 0: accept-once
+  uint32_t reserved0;        // 0
+  uint64_t forwards_offset;  // counted: CountEntry forwarded[max_slots]; accept-once: == data
 };
 static_assert(sizeof(ArenaHeader) <= kHeaderBytes, "the header must fit its 4 KiB page");
 
@@ -132,7 +171,17 @@ struct ArenaGeometry {
   uint64_t data_offset = 0;
   uint64_t data_bytes = 0;
   uint64_t slot_bytes = 0;
+  bool counted = false;
+  uint64_t forwards_offset = 0;
 };
+
+/// A (generation, count) pair, written by one process only as a seqlock (see above): a
+/// counted arena's acked and forwarded counts.
+struct CountEntry {
+  std::atomic<uint64_t> generation;  // 0 while a new generation's count is being stored
+  std::atomic<uint64_t> count;
+};
+static_assert(sizeof(CountEntry) == 16, "two words, no padding");
 
 /// One allocation slot; only the writer stores to it.
 struct alignas(kCacheLine) SlotMeta {
