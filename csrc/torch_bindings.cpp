@@ -112,9 +112,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<TensorArenaWriter, std::shared_ptr<TensorArenaWriter>>(m, "TensorArenaWriter")
       // Creates the region (checking free space in `dir`, "" = default /dev/shm).
-      .def(py::init<uint32_t, uint32_t, uint64_t, const std::string&, uint64_t, uint32_t>(),
+      // `counted`: a counted arena (core/arena_layout.h), sent many times and forwarded.
+      .def(py::init<uint32_t, uint32_t, uint64_t, const std::string&, uint64_t, uint32_t, bool>(),
            py::arg("n_readers"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("dir") = "",
-           py::arg("arena_bytes") = 0, py::arg("max_allocations") = 1024)
+           py::arg("arena_bytes") = 0, py::arg("max_allocations") = 1024,
+           py::arg("counted") = false)
       // A tensor lent from the arena (filled in place, sent without a copy), or None.
       .def("empty", &TensorArenaWriter::empty, py::arg("shape"), py::arg("dtype"))
       // Publishes an unsent loan holding this tensor -> (slot, generation, offset), or None.
@@ -144,6 +146,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("slot"), py::arg("generation"))
       // Gives back an allocation whose stub never left this process.
       .def("abort", &TensorArenaWriter::abort, py::arg("slot"), py::arg("generation"))
+      // Counted arenas: takes back one send whose message did not go.
+      .def("unsend", &TensorArenaWriter::unsend, py::arg("slot"), py::arg("generation"))
+      .def_property_readonly("counted", &TensorArenaWriter::counted)
       // Counts a decline decided in Python, by stats() key.
       .def("count_decline",
            [](TensorArenaWriter& w, const std::string& key) {
@@ -178,9 +183,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("name"), py::arg("rank"), py::arg("dir") = "", py::arg("pin_chunk_bytes") = 0,
            py::arg("expect") = py::none())
       // Zero-copy tensor over a slot; generation 0 = whatever the slot holds now.
+      // Counted arenas: `stubs` is how many stubs the view stands for (0: one more view under a
+      // hold that counted its stub).
       .def("get_tensor", &TensorArenaReader::get_tensor, py::arg("slot"), py::arg("generation"),
            py::arg("nbytes"), py::arg("dtype"), py::arg("shape"), py::arg("cuda_context"),
-           py::arg("offset") = 0)
+           py::arg("offset") = 0, py::arg("stubs") = 1)
       // An arena stub's fields, checked, -> its tensor (what _rebuild_arena_tensor calls).
       .def("rebuild", &rebuild_stub, py::arg("slot_idx"), py::arg("generation"), py::arg("nbytes"),
            py::arg("dtype_str"), py::arg("shape"), py::arg("offset"), py::arg("cuda_context"))
@@ -204,6 +211,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // Releases a slot named in a message this reader failed to unpickle.
       .def("release_unacquired", &TensorArenaReader::release_unacquired, py::arg("slot"),
            py::arg("generation"))
+      // Counted arenas, reader 0: one more / one fewer forward of a held allocation.
+      .def("forward", &TensorArenaReader::forward, py::arg("slot"), py::arg("generation"))
+      .def("unforward", &TensorArenaReader::unforward, py::arg("slot"), py::arg("generation"))
+      // The held allocation a contiguous CPU tensor lies in -> (slot, generation, offset,
+      // nbytes), or None.
+      .def("find_hold", &TensorArenaReader::find_hold, py::arg("tensor"))
+      .def_property_readonly("counted", &TensorArenaReader::counted)
       // held, pinned_bytes, pending_releases, pin statistics.
       .def("stats", &TensorArenaReader::stats)
       // Whether [offset, offset+len) of the region is page-locked.
@@ -304,12 +318,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "arena_region_bytes",
       [](uint32_t n_readers, uint32_t num_slots, uint64_t slot_bytes, uint64_t arena_bytes,
-         uint32_t max_allocations) {
+         uint32_t max_allocations, bool counted) {
         return arena_region_bytes(
-            arena_config(n_readers, num_slots, slot_bytes, arena_bytes, max_allocations));
+            arena_config(n_readers, num_slots, slot_bytes, arena_bytes, max_allocations, counted));
       },
       py::arg("n_readers"), py::arg("num_slots"), py::arg("slot_bytes"), py::arg("arena_bytes") = 0,
-      py::arg("max_allocations") = 1024);
+      py::arg("max_allocations") = 1024, py::arg("counted") = false);
   // Removes stale arena/ring segments (writer provably dead) -> [(name, kind, writer, removed,
   // why)]; with dry_run nothing is removed.
   m.def(

@@ -83,6 +83,10 @@ class ArenaHandle:
     slot_bytes: int
     dir: str
     policy: str = "fixed"
+    #: A counted arena: its payloads are sent to reader 0 any number of times and forwarded
+    #: by it to the other readers (csrc/core/arena_layout.h); False: each reader takes a
+    #: payload once.
+    counted: bool = False
 
     @property
     def max_allocations(self) -> int:
@@ -148,9 +152,13 @@ def _other_roles_call(name: str, role: str):
 
 #: Each role's calls, which the other role answers with a clear RuntimeError.
 _WRITER_CALLS = (
-    "write write_tensor new_reducer empty give_back_unsent send_holds reclaim unlink write_blob"
+    "write write_tensor new_reducer empty give_back_unsent send_holds reclaim unlink write_blob "
+    "send_loan unsend"
 )
-_READER_CALLS = "get_tensor rebuild_stub flush_releases needs_flush release_unacquired read_blob"
+_READER_CALLS = (
+    "get_tensor rebuild_stub flush_releases needs_flush release_unacquired read_blob forward "
+    "unforward find_hold"
+)
 
 
 class ShmTensorArena:
@@ -193,12 +201,17 @@ class ShmTensorArena:
         arena_bytes: int = DEFAULT_ARENA_BYTES,
         max_allocations: int = DEFAULT_MAX_ALLOCATIONS,
         shm_dir: str | None = None,
+        counted: bool = False,
     ) -> ShmTensorArenaWriter:
         """Creates a new arena as its writer. Raises ``OSError`` if ``/dev/shm`` is too small.
 
         ``policy="fixed"``: ``num_slots`` slots of ``slot_bytes`` (vLLM's own arena's
         layout). ``policy="variable"``: one region of ``arena_bytes`` into which tensors of any
         size up to the whole region are packed, at most ``max_allocations`` at a time.
+        ``counted=True``: a counted arena (``ArenaHandle.counted``): a loan may be sent any
+        number of times (``send_loan`` counts each send, ``unsend`` takes one back); reader 0
+        forwards what it holds to the other readers (``forward``); a payload comes back once
+        every send and every forward is acked. Ranks attach once.
         """
         if n_readers < 1:
             raise ValueError(f"n_readers must be >= 1, got {n_readers}")
@@ -212,6 +225,7 @@ class ShmTensorArena:
             shm_dir or "",
             arena_bytes if variable else 0,
             max_allocations,
+            bool(counted),
         )
         if settings.debug_checksum():
             w.set_debug_checksum(True)
@@ -222,6 +236,7 @@ class ShmTensorArena:
             w.slot_bytes,
             w.dir,
             policy,
+            bool(counted),
         )
         return ShmTensorArenaWriter._wrap(w, handle)
 
@@ -234,7 +249,13 @@ class ShmTensorArena:
         # The handle must describe the arena it names (a handle of another arena would attach
         # silently and resolve stubs against the wrong geometry); checked before the rank is
         # claimed, so a refused attach leaves the rank as it was.
-        expect = (handle.n_readers, handle.num_slots, handle.slot_bytes, handle.policy)
+        expect = (
+            handle.n_readers,
+            handle.num_slots,
+            handle.slot_bytes,
+            handle.policy,
+            bool(handle.counted),
+        )
         r = _C.TensorArenaReader(handle.name, reader_rank, handle.dir, pin_chunk, expect)
         arena = ShmTensorArenaReader._wrap(r, handle)
         _TENSOR_ARENAS[handle.name] = arena
@@ -384,6 +405,20 @@ class ShmTensorArenaWriter(ShmTensorArena):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         return w.empty([int(d) for d in shape], dtype)
 
+    def send_loan(self, tensor: torch.Tensor) -> tuple[int, int, int] | None:
+        """Publishes the loan ``tensor`` lies in for one send -> ``(slot, generation,
+        offset)``, or ``None`` when it lies in no live loan (or, in an accept-once arena, one
+        sent already). In a counted arena every call is one more send to reader 0, owed until
+        reader 0 acks it; a send whose message did not go is taken back with ``unsend``."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"send_loan takes a torch.Tensor, got {type(tensor).__name__}")
+        return self._checked().send_loan(tensor)
+
+    def unsend(self, slot: int, generation: int) -> None:
+        """Counted arenas: takes back one send of ``(slot, generation)`` whose message did not
+        go (``ValueError`` when there is none to take back, or the arena is not counted)."""
+        self._checked().unsend(int(slot), int(generation))
+
     def give_back_unsent(self, allocations: Sequence[tuple[int, int]]) -> None:
         """Gives back the ``(slot, generation)`` allocations of a message no reader can ever
         see (its pickling or its send failed before anything was published, or a blob no ring
@@ -463,13 +498,16 @@ class ShmTensorArenaReader(ShmTensorArena):
         shape: Sequence[int],
         generation: int | None = None,
         offset: int = 0,
+        stubs: int = 1,
     ) -> torch.Tensor:
         """A tensor whose storage *is* the slot (zero bytes copied).
 
         The slot is released when the storage is freed, so views, slices and ``Parameter``
         wrappers keep it alive; with pinned memory, only after the next ``flush_releases``
         finds the DMA done. ``generation`` (from the stub) guards against stale stubs; without
-        it the slot's current generation is used.
+        it the slot's current generation is used. ``stubs`` (counted arenas): how many stubs
+        this reader was sent that the tensor stands for, acked when the slot's last view here
+        dies; 0 only under a view that counted its stub.
         """
         r = self._checked()
         if not isinstance(dtype, torch.dtype):
@@ -482,7 +520,23 @@ class ShmTensorArenaReader(ShmTensorArena):
             list(shape),
             self._pin_next(),
             int(offset),
+            int(stubs),
         )
+
+    def forward(self, slot: int, generation: int) -> None:
+        """Counted arenas, reader 0, while it holds ``(slot, generation)``: one more stub of it
+        passed on to the other readers, each of which owes one more ack (``ValueError``
+        otherwise). Count it before the message goes; ``unforward`` if it did not go."""
+        self._checked().forward(int(slot), int(generation))
+
+    def unforward(self, slot: int, generation: int) -> None:
+        """Takes back one ``forward`` whose message did not go."""
+        self._checked().unforward(int(slot), int(generation))
+
+    def find_hold(self, tensor: torch.Tensor) -> tuple[int, int, int, int] | None:
+        """The allocation this reader holds that a contiguous CPU ``tensor``'s bytes lie in ->
+        ``(slot, generation, offset, nbytes)``, or ``None``."""
+        return self._checked().find_hold(tensor)
 
     def rebuild_stub(self, slot_idx, generation, nbytes, dtype_str, shape, offset=0):
         """The tensor a stub names (its fields come from a message: the extension checks each

@@ -127,7 +127,10 @@ at::Tensor rebuild_stub(TensorArenaReader& reader, py::handle slot_idx, py::hand
     }
     dtype = it->second;
   }
-  return reader.get_tensor(static_cast<uint32_t>(*slot), *gen, *n, dtype, dims, cuda_context, *off);
+  // A queue message's stubs are counted once, by its frame 0 hold (hold_slots): the tensor
+  // is one more view under it (counted arenas; accept-once ones ignore the count).
+  return reader.get_tensor(static_cast<uint32_t>(*slot), *gen, *n, dtype, dims, cuda_context, *off,
+                           /*stubs=*/0);
 }
 
 // ---------------------------------------------------------------------------------------

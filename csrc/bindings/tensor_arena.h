@@ -62,8 +62,9 @@ inline uint64_t checked_nbytes(at::ScalarType dtype, const std::vector<int64_t>&
 
 // The config for Python's arguments: `arena_bytes` > 0 selects variable-size packing.
 inline ArenaConfig arena_config(uint32_t n_readers, uint32_t num_slots, uint64_t slot_bytes,
-                                uint64_t arena_bytes, uint32_t max_allocations) {
+                                uint64_t arena_bytes, uint32_t max_allocations, bool counted) {
   ArenaConfig cfg;
+  cfg.counted = counted;
   cfg.n_readers = n_readers;
   cfg.num_slots = num_slots;
   cfg.slot_bytes = slot_bytes;
@@ -84,8 +85,10 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
   /// `arena_bytes` > 0 selects variable-size packing of that many bytes (`max_allocations`
   /// live allocations at most); otherwise `num_slots` fixed slots of `slot_bytes`.
   TensorArenaWriter(uint32_t n_readers, uint32_t num_slots, uint64_t slot_bytes,
-                    const std::string& dir, uint64_t arena_bytes, uint32_t max_allocations) {
-    ArenaConfig cfg = arena_config(n_readers, num_slots, slot_bytes, arena_bytes, max_allocations);
+                    const std::string& dir, uint64_t arena_bytes, uint32_t max_allocations,
+                    bool counted) {
+    ArenaConfig cfg =
+        arena_config(n_readers, num_slots, slot_bytes, arena_bytes, max_allocations, counted);
     if (!dir.empty()) cfg.dir = dir;
     writer_ = ArenaWriter::create(cfg);
   }
@@ -108,10 +111,11 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
     }
   }
 
-  /// If [t's bytes] lie in a loan not sent yet, publishes it -> (slot, generation, offset).
+  /// If [t's bytes] lie in a loan not sent yet (counted arenas: any live loan, each call one
+  /// more send), publishes it -> (slot, generation, offset).
   std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> send_loan(const at::Tensor& t) {
     std::optional<LoanRef> ref = writer_->find_loan(t.data_ptr(), tensor_nbytes(t));
-    if (!ref || ref->published) return std::nullopt;
+    if (!ref || (ref->published && !writer_->counted())) return std::nullopt;
     if (!writer_->publish_loan(ref->slot, ref->generation)) return std::nullopt;
     return std::make_tuple(ref->slot, ref->generation, ref->offset);
   }
@@ -135,6 +139,8 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
   }
 
   void count_decline(DeclineReason why) { writer_->count_decline(why); }
+  void unsend(uint32_t slot, uint64_t generation) { writer_->unsend(slot, generation); }
+  bool counted() const { return writer_->counted(); }
   void set_debug_checksum(bool on) { writer_->set_debug_checksum(on); }
   void abort(uint32_t slot, uint64_t generation) {
     Allocation a;
@@ -164,6 +170,8 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
     d["loans"] = s.loans;
     d["loans_sent"] = s.loans_sent;
     d["loans_returned"] = s.loans_returned;
+    d["sends"] = s.sends;
+    d["unsends"] = s.unsends;
     d["in_use"] = s.in_use;
     d["free_bytes"] = s.free_bytes;
     d["largest_free"] = s.largest_free;
@@ -180,6 +188,7 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
       d["rank"] = h.rank;
       d["state"] = kStates[static_cast<uint32_t>(h.state) & 3];
       d["slots_held"] = h.slots_held;
+      d["owed"] = h.owed;
       d["oldest_age_s"] = h.oldest_age_seconds;
       out.append(d);
     }
@@ -220,8 +229,8 @@ struct SlotHolds {
 /// tensors and the checks that need torch.
 class TensorArenaReader {
  public:
-  /// `expect`: (n_readers, num_slots, slot_bytes, policy) from the caller's handle, checked
-  /// against the header before the rank is claimed; None skips the check.
+  /// `expect`: (n_readers, num_slots, slot_bytes, policy, counted) from the caller's handle,
+  /// checked against the header before the rank is claimed; None skips the check.
   TensorArenaReader(const std::string& name, uint32_t rank, const std::string& dir,
                     uint64_t pin_chunk_bytes, const py::object& expect)
       : holds_(std::make_shared<ReaderHolds>(
@@ -229,11 +238,12 @@ class TensorArenaReader {
                                 geometry_check(name, expect)),
             pin_chunk_bytes)) {}
 
-  /// A check of the validated geometry against (n_readers, num_slots, slot_bytes, policy).
+  /// A check of the validated geometry against (n_readers, num_slots, slot_bytes, policy,
+  /// counted).
   static std::function<void(const ArenaGeometry&)> geometry_check(const std::string& name,
                                                                   const py::object& expect) {
     if (expect.is_none()) return {};
-    auto t = expect.cast<std::tuple<uint32_t, uint32_t, uint64_t, std::string>>();
+    auto t = expect.cast<std::tuple<uint32_t, uint32_t, uint64_t, std::string, bool>>();
     return [name, t](const ArenaGeometry& g) {
       uint64_t slot = g.policy == PolicyKind::kVariable ? g.data_bytes : g.slot_bytes;
       std::string policy = g.policy == PolicyKind::kVariable ? "variable" : "fixed";
@@ -248,6 +258,7 @@ class TensorArenaReader {
       cmp("num_slots", std::to_string(std::get<1>(t)), std::to_string(g.max_slots));
       cmp("slot_bytes", std::to_string(std::get<2>(t)), std::to_string(slot));
       cmp("policy", std::get<3>(t), policy);
+      cmp("counted", std::get<4>(t) ? "yes" : "no", g.counted ? "yes" : "no");
       if (!diff.empty()) {
         throw InvalidArgument("arena handle does not match shared memory '" + name + "' (" + diff +
                               ")");
@@ -255,9 +266,11 @@ class TensorArenaReader {
     };
   }
 
-  /// A tensor whose storage is the slot; zero bytes copied.
+  /// A tensor whose storage is the slot; zero bytes copied. `stubs`: in a counted arena, the
+  /// stubs this view stands for (ArenaReader::acquire).
   at::Tensor get_tensor(uint32_t slot, uint64_t generation, uint64_t nbytes, at::ScalarType dtype,
-                        const std::vector<int64_t>& shape, bool cuda_context, uint64_t offset) {
+                        const std::vector<int64_t>& shape, bool cuda_context, uint64_t offset,
+                        uint64_t stubs = 1) {
     uint64_t expect = checked_nbytes(dtype, shape);
     if (expect != nbytes) {
       throw InvalidArgument("nbytes " + std::to_string(nbytes) + " does not match shape " +
@@ -265,7 +278,8 @@ class TensorArenaReader {
                             std::to_string(c10::elementSize(dtype)) + " = " +
                             std::to_string(expect));
     }
-    const ReaderHolds::Hold h = holds_->acquire(slot, generation, nbytes, offset, cuda_context);
+    const ReaderHolds::Hold h =
+        holds_->acquire(slot, generation, nbytes, offset, cuda_context, stubs);
     auto deleter = [holds = holds_, slot, gen = h.generation, gated = h.gated](void*) {
       holds->freed(slot, gen, gated);
     };
@@ -304,6 +318,22 @@ class TensorArenaReader {
   void release_unacquired(uint32_t slot, uint64_t generation) {
     core().release_unacquired(slot, generation);
   }
+
+  /// Counted arenas, reader 0: one more (or one fewer) forward of a held allocation.
+  void forward(uint32_t slot, uint64_t generation) { core().forward(slot, generation); }
+  void unforward(uint32_t slot, uint64_t generation) { core().unforward(slot, generation); }
+
+  /// The held allocation `t`'s bytes lie in -> (slot, generation, offset, nbytes), or None.
+  std::optional<std::tuple<uint32_t, uint64_t, uint64_t, uint64_t>> find_hold(
+      const at::Tensor& t) const {
+    if (!t.defined() || t.device().type() != c10::DeviceType::CPU || !t.is_contiguous()) {
+      return std::nullopt;
+    }
+    std::optional<HoldRef> h = reader().find_hold(t.data_ptr(), tensor_nbytes(t));
+    if (!h) return std::nullopt;
+    return std::make_tuple(h->slot, h->generation, h->offset, h->nbytes);
+  }
+  bool counted() const { return reader().counted(); }
 
   py::dict stats() const {
     const ReaderHoldsStats s = holds_->stats();

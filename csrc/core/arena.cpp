@@ -981,7 +981,7 @@ uint64_t ArenaReader::published_generation(uint32_t slot) const {
 }
 
 const uint8_t* ArenaReader::acquire(uint32_t slot, uint64_t generation, uint64_t nbytes,
-                                    uint64_t offset) {
+                                    uint64_t offset, uint64_t stubs) {
   if (slot >= geo_.max_slots) {
     throw OutOfRange("slot " + std::to_string(slot) + " out of range [0, " +
                      std::to_string(geo_.max_slots) + ") in arena '" + name() + "'");
@@ -1008,6 +1008,13 @@ const uint8_t* ArenaReader::acquire(uint32_t slot, uint64_t generation, uint64_t
                             std::to_string(it->second.generation));
     }
   } else {
+    if (geo_.counted && stubs == 0) {
+      // A view that counts no stub is safe only under a hold that counted one: nothing else
+      // keeps the writer from recycling the slot.
+      throw InvalidArgument("slot " + std::to_string(slot) + " generation " +
+                            std::to_string(generation) +
+                            " is not held: a counted arena's first acquire must count its stub");
+    }
     SlotMeta* m = slot_meta(base, geo_, slot);
     // SYNC POINT: acquire; pairs with the release store in ArenaWriter::publish(), making the
     // payload and the slot's offset / capacity / nbytes visible.
@@ -1034,18 +1041,20 @@ const uint8_t* ArenaReader::acquire(uint32_t slot, uint64_t generation, uint64_t
     holds_by_offset_[c.offset] = slot;
   }
   const Hold& hold = it->second;
-  if (offset > hold.nbytes || nbytes > hold.nbytes - offset) {
-    uint64_t written = hold.nbytes;
+  const bool fits = offset <= hold.nbytes && nbytes <= hold.nbytes - offset;
+  if (!fits || hold.stubs > UINT64_MAX - stubs) {
+    const uint64_t written = hold.nbytes;
     if (it->second.count == 0) {
       holds_by_offset_.erase(hold.offset);
       holds_.erase(it);
     }
+    if (fits) throw InvalidArgument("slot " + std::to_string(slot) + ": stub count overflow");
     throw InvalidArgument("nbytes " + std::to_string(nbytes) + " at offset " +
                           std::to_string(offset) + " does not fit the " + std::to_string(written) +
                           " bytes written to slot " + std::to_string(slot));
   }
   ++it->second.count;
-  ++it->second.acquires;
+  it->second.stubs += stubs;
   return base + hold.offset + offset;
 }
 
@@ -1064,10 +1073,10 @@ void ArenaReader::release(uint32_t slot, uint64_t generation) {
     mismatches_.fetch_add(1, std::memory_order_relaxed);
   }
   if (geo_.counted) {
-    // Every acquire of this hold acked at once (store_count's release store pairs with the
-    // writer's acquire loads in reader_done()).
+    // Every stub this hold stood for acked at once (store_count's release store pairs with
+    // the writer's acquire loads in reader_done()).
     CountEntry* e = acked_entry(region_->data(), geo_, rank_, slot);
-    store_count(e, generation, own_count(e, generation) + hold.acquires);
+    store_count(e, generation, own_count(e, generation) + hold.stubs);
     return;
   }
   // SYNC POINT: release; pairs with the writer's acquire load in reader_done(): every read of

@@ -303,7 +303,12 @@ class ArenaReader {
   /// Validates a stub and pins the slot for this reader: slot in range, generation
   /// published, not yet released by this reader, [offset, offset+nbytes) inside what was
   /// written. Returns the address of that range. Every acquire needs one release.
-  const uint8_t* acquire(uint32_t slot, uint64_t generation, uint64_t nbytes, uint64_t offset = 0);
+  /// Counted arenas: `stubs` is how many stubs this reader was sent that the acquire stands
+  /// for (acked together when the hold ends): 1 for a stub resolved on its own, 0 for one
+  /// more view under a hold that counted the stub already (InvalidArgument without one).
+  /// Accept-once arenas ignore it.
+  const uint8_t* acquire(uint32_t slot, uint64_t generation, uint64_t nbytes, uint64_t offset = 0,
+                         uint64_t stubs = 1);
   /// Drops one acquire; the last one tells the writer this reader is done with the slot.
   /// A no-op in a forked child: the hold is its parent's.
   void release(uint32_t slot, uint64_t generation);
@@ -365,7 +370,7 @@ class ArenaReader {
     uint64_t offset;    // of the allocation, from the region's base
     uint64_t nbytes;    // payload bytes written
     uint64_t checksum;  // debug mode's checksum at publish, 0 = none
-    uint64_t acquires;  // counted arenas: acquires since the hold began (acked together)
+    uint64_t stubs;     // counted arenas: stubs its acquires stood for (acked together)
   };
   /// Checks (under mu_) that this is reader 0 of a counted arena holding (slot, generation).
   void require_forwarder(const char* what, uint32_t slot, uint64_t generation) const;

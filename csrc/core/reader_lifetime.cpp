@@ -130,7 +130,7 @@ ReaderHolds::~ReaderHolds() {
 bool ReaderHolds::foreign() const { return ::getpid() != owner_pid_; }
 
 ReaderHolds::Hold ReaderHolds::acquire(uint32_t slot, uint64_t generation, uint64_t nbytes,
-                                       uint64_t offset, bool dma) {
+                                       uint64_t offset, bool dma, uint64_t stubs) {
   if (slot >= reader_->max_slots()) {
     throw OutOfRange("slot_idx " + std::to_string(slot) + " out of range [0, " +
                      std::to_string(reader_->max_slots()) + ") in arena '" + reader_->name() + "'");
@@ -148,7 +148,7 @@ ReaderHolds::Hold ReaderHolds::acquire(uint32_t slot, uint64_t generation, uint6
   encode_release_token(slot, generation);  // refused before anything is held
   Hold h;
   h.generation = generation;
-  h.data = reader_->acquire(slot, generation, nbytes, offset);
+  h.data = reader_->acquire(slot, generation, nbytes, offset, stubs);
   try {
     if (dma && nbytes > 0) h.gated = pin(h.data, nbytes);
   } catch (...) {

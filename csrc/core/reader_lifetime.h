@@ -157,8 +157,10 @@ class ReaderHolds {
   /// when the pin decision allows. Refused before anything is held: `slot` out of range
   /// (OutOfRange), `nbytes` or `offset` beyond one allocation, a (slot, generation) no release
   /// token can carry (InvalidArgument); then ArenaReader::acquire's checks. Every Hold needs
-  /// one freed() with its slot, generation and gated.
-  Hold acquire(uint32_t slot, uint64_t generation, uint64_t nbytes, uint64_t offset, bool dma);
+  /// one freed() with its slot, generation and gated. `stubs`: ArenaReader::acquire's (a
+  /// counted arena's stubs this hold stands for).
+  Hold acquire(uint32_t slot, uint64_t generation, uint64_t nbytes, uint64_t offset, bool dma,
+               uint64_t stubs = 1);
   /// The last view of a Hold died: releases it now (`gated` false), or once the event a later
   /// flush_releases records has completed (`gated` true). Never calls CUDA, never throws;
   /// a no-op in a forked child (the hold is its parent's).

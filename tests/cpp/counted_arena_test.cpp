@@ -624,3 +624,24 @@ TEST_CASE("counted arena: processes send, forward and ack at random, bytes check
   for (pid_t p : {p0, p1, p2}) CHECK(vsa_test::exited_ok(vsa_test::wait_child(p, 60)));
   w->unlink();
 }
+
+TEST_CASE("counted arena: a view that counts no stub needs a hold that counted one",
+          "[arena][counted]") {
+  auto w = ArenaWriter::create(counted_config(1));
+  auto r0 = ArenaReader::attach(w->name(), 0);
+  w->unlink();
+  Allocation a = filled_loan(*w, 8192, 12);
+  REQUIRE(w->publish_loan(a.slot, a.generation));
+  w->end_loan(a.slot, a.generation);
+  // A message's stub held once (its frame 0 listing), then two tensors over parts of it.
+  CHECK_THROWS_AS(r0->acquire(a.slot, a.generation, 4096, 0, 0), InvalidArgument);
+  CHECK(r0->held() == 0);  // the refused acquire left nothing behind
+  r0->acquire(a.slot, a.generation, 0, 0, 1);
+  r0->acquire(a.slot, a.generation, 4096, 0, 0);
+  r0->acquire(a.slot, a.generation, 4096, 4096, 0);
+  r0->release(a.slot, a.generation);
+  r0->release(a.slot, a.generation);
+  CHECK_FALSE(freed(*w));
+  r0->release(a.slot, a.generation);  // three views, one stub: acked 1 == sent 1
+  CHECK(freed(*w));
+}
