@@ -38,6 +38,7 @@ ORDER = [
     "mq.relay",
     "mq.groups",
     "message_queue",
+    "frontend",  # the frontend arena's primitives (API server, engine core)
     "vllm_multinode",  # the multi-node join the plugin installs
     "vllm_interface",  # what of vLLM the plugin relies on, and its check
     "vllm_plugin",

@@ -1,0 +1,184 @@
+"""The frontend arena's primitives (vllm_shm_arena.frontend): an item's tensor is copied into
+a loan once on the API server's side, goes as a ~100-byte stub (one counted send) while the
+engine core is attached, and comes back as a zero-copy tensor there; sends of a message that
+did not go are taken back; every stub field is checked; the handle survives the environment.
+With vLLM importable, the same round trip through vLLM's own MsgpackEncoder/MsgpackDecoder.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+
+import pytest
+import torch
+
+from vllm_shm_arena import frontend
+from vllm_shm_arena.frontend import FrontendWriter, StubProvider
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def ends():
+    w = FrontendWriter(2, 32 * MiB, max_allocations=64)
+    p = StubProvider(w.handle())
+    yield w, p
+    p.close()
+    w.arena.close()
+
+
+def _in_use(w) -> int:
+    w.arena.reclaim(check_liveness=False)
+    return w.arena.stats(holdings=False)["in_use"]
+
+
+def test_one_copy_then_stubs_then_zero_copy(ends):
+    w, p = ends
+    src = torch.arange(3 * MiB // 4, dtype=torch.int32).reshape(3, -1)
+    small = torch.ones(16)
+    filled = frontend.fill_tensors(w, {"pixel_values": src, "grid": small, "n": 3})
+    loan = filled["pixel_values"]
+    assert loan is not src and torch.equal(loan, src)
+    assert filled["grid"] is small and filled["n"] == 3  # too small / not a tensor: as is
+    assert w.counters["filled"] == 1 and w.counters["filled_bytes"] == src.nbytes
+    c = w.consumer()
+    c.new_message()
+    stub = c(loan)
+    assert stub is not None and frontend.is_stub(stub)
+    assert len(json.dumps(stub)) < 120
+    assert c(small) is None and c(src) is None  # not loans: sent as usual
+    assert c.sends_of_message() == [(stub["slot"], stub["gen"])]
+    got = p("int32", [3, MiB // 4], stub)
+    assert torch.equal(got, src)
+    loan[0, 0] = -7  # the same pages: zero-copy
+    assert int(got[0, 0]) == -7
+    del loan, filled
+    gc.collect()
+    assert _in_use(w) == 1  # the engine core's tensor holds it
+    del got
+    gc.collect()
+    assert _in_use(w) == 0
+
+
+def test_a_hit_sends_the_same_loan_again_and_both_are_owed(ends):
+    w, p = ends
+    loan = w.fill(torch.full((2 * MiB,), 5, dtype=torch.uint8))
+    c = w.consumer()
+    stubs = []
+    for _ in range(2):
+        c.new_message()
+        stubs.append(c(loan))
+    assert stubs[0] == stubs[1]
+    a = p("uint8", [2 * MiB], stubs[0])
+    b = p("uint8", [2 * MiB], stubs[1])
+    del loan, a
+    gc.collect()
+    assert _in_use(w) == 1
+    del b
+    gc.collect()
+    assert _in_use(w) == 0
+
+
+def test_no_stub_while_the_engine_core_is_not_attached():
+    w = FrontendWriter(1, 16 * MiB)
+    loan = w.fill(torch.zeros(MiB, dtype=torch.uint8))
+    c = w.consumer()
+    c.new_message()
+    assert c(loan) is None  # vLLM sends the bytes as usual
+    assert w.arena.stats(holdings=False)["sends"] == 0
+    del loan
+    w.arena.close()
+
+
+def test_a_message_that_did_not_go_is_unsent(ends):
+    w, p = ends
+    loan = w.fill(torch.zeros(MiB, dtype=torch.uint8))
+    c = w.consumer()
+    c.new_message()
+    c(loan)
+    c.unsend(c.sends_of_message())
+    assert w.arena.stats(holdings=False)["sends"] == 0
+    del loan
+    gc.collect()
+    assert _in_use(w) == 0  # nobody owes anything
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"slot": -1}, "slot"),
+        ({"gen": True}, "gen"),
+        ({"gen": 0}, "gen"),
+        ({"off": 1.5}, "off"),
+        ({"nbytes": 7}, "nbytes"),
+        ({"slot": 10**6}, "slot"),
+        ({"gen": 2**50}, "generation"),
+        ({frontend.STUB_KEY: "vsa_other"}, "names arena"),
+    ],
+)
+def test_every_stub_field_is_checked(ends, bad, match):
+    w, p = ends
+    loan = w.fill(torch.zeros(MiB, dtype=torch.uint8))
+    c = w.consumer()
+    c.new_message()
+    stub = {**c(loan), **bad}
+    with pytest.raises((ValueError, IndexError), match=match):
+        p("uint8", [MiB], stub)
+    with pytest.raises(ValueError):
+        p("no_such_dtype", [MiB], c(loan))
+    with pytest.raises(ValueError, match="cannot resolve"):
+        p("uint8", [MiB], {"other": 1})
+
+
+def test_placeholders_of_another_hook_go_to_the_fallback():
+    w = FrontendWriter(1, 16 * MiB)
+    seen = []
+    p = StubProvider(w.handle(), fallback=lambda *a: seen.append(a) or torch.zeros(1))
+    assert p("float32", [1], {"ipc": 3}).shape == (1,)
+    assert seen == [("float32", [1], {"ipc": 3})]
+    p.close()
+    w.arena.close()
+
+
+def test_the_handle_survives_the_environment_and_bad_values_are_refused():
+    w = FrontendWriter(1, 16 * MiB)
+    raw = frontend.handle_to_env(w.handle())
+    assert frontend.handle_from_env(raw) == w.handle()
+    fields = json.loads(raw)
+    for bad in (
+        "not json",
+        "[]",
+        json.dumps({**fields, "extra": 1}),
+        json.dumps({**fields, "n_readers": 0}),
+        json.dumps({**fields, "num_slots": True}),
+        json.dumps({**fields, "counted": False}),
+        json.dumps({**fields, "name": 3}),
+    ):
+        with pytest.raises(ValueError):
+            frontend.handle_from_env(bad)
+    w.arena.close()
+
+
+@pytest.mark.vllm
+def test_through_vllms_own_msgpack_hooks(ends):
+    serial_utils = pytest.importorskip("vllm.v1.serial_utils")
+    w, p = ends
+
+    class Consumer(frontend.LoanStubConsumer, serial_utils.OOBTensorConsumer):
+        pass
+
+    consumer = Consumer(w)
+    enc = serial_utils.MsgpackEncoder(oob_tensor_consumer=consumer)
+    dec = serial_utils.MsgpackDecoder(torch.Tensor, oob_tensor_provider=p)
+    src = torch.randn(512, 1024)
+    loan = w.fill(src)
+    bufs = enc.encode(loan)
+    assert len(bufs) == 1 and len(bufs[0]) < 300  # no payload frame
+    out = dec.decode(bufs)
+    assert torch.equal(out, src)
+    plain = enc.encode(src)  # not a loan: vLLM's own out-of-band frame
+    assert len(plain) == 2 and torch.equal(dec.decode(plain), src)
+    del loan, out
+    gc.collect()
+    assert _in_use(w) == 0
