@@ -47,6 +47,15 @@ Allocation filled_loan(ArenaWriter& w, uint64_t n, uint64_t seed) {
   return *a;
 }
 
+// A loan of `n` bytes filled with pattern `seed`, sent `sends` times to reader 0, whose
+// writer-side view is then dropped (only the readers hold it).
+Allocation sent_loan(ArenaWriter& w, uint64_t n, uint64_t seed, int sends) {
+  Allocation a = filled_loan(w, n, seed);
+  for (int i = 0; i < sends; ++i) REQUIRE(w.publish_loan(a.slot, a.generation));
+  w.end_loan(a.slot, a.generation);
+  return a;
+}
+
 bool freed(ArenaWriter& w) {
   w.reclaim(false);
   return w.stats().in_use == 0;
@@ -127,10 +136,7 @@ TEST_CASE("counted arena: a send or a forward made while a reader acks holds the
   auto r0 = ArenaReader::attach(w->name(), 0);
   auto r1 = ArenaReader::attach(w->name(), 1);
   w->unlink();
-  Allocation a = filled_loan(*w, 4096, 1);
-  REQUIRE(w->publish_loan(a.slot, a.generation));
-  REQUIRE(w->publish_loan(a.slot, a.generation));  // a second request uses the same item
-  w->end_loan(a.slot, a.generation);               // only the readers hold it now
+  Allocation a = sent_loan(*w, 4096, 1, 2);
   r0->acquire(a.slot, a.generation, 4096);
   r0->forward(a.slot, a.generation);
   r1->acquire(a.slot, a.generation, 4096);
@@ -159,9 +165,7 @@ TEST_CASE(
   auto r0 = ArenaReader::attach(w->name(), 0);
   auto r1 = ArenaReader::attach(w->name(), 1);
   // Rank 2 never attaches (its messages may be queued for it).
-  Allocation a = filled_loan(*w, 4096, 2);
-  REQUIRE(w->publish_loan(a.slot, a.generation));
-  w->end_loan(a.slot, a.generation);
+  Allocation a = sent_loan(*w, 4096, 2, 1);
   r0->acquire(a.slot, a.generation, 4096);
   r0->forward(a.slot, a.generation);
   r0->release(a.slot, a.generation);
@@ -216,10 +220,7 @@ TEST_CASE("counted arena: reader 0 detached or dead owes nothing, its forwards a
   auto r0 = ArenaReader::attach(w->name(), 0);
   auto r1 = ArenaReader::attach(w->name(), 1);
   w->unlink();
-  Allocation a = filled_loan(*w, 4096, 3);
-  REQUIRE(w->publish_loan(a.slot, a.generation));
-  REQUIRE(w->publish_loan(a.slot, a.generation));
-  w->end_loan(a.slot, a.generation);
+  Allocation a = sent_loan(*w, 4096, 3, 2);
   r0->acquire(a.slot, a.generation, 4096);
   r0->forward(a.slot, a.generation);
   r0->detach();  // holding one acquire of two sends
@@ -297,10 +298,7 @@ TEST_CASE("counted arena: a stub reader 0 failed to unpickle is acked once, held
   auto w = ArenaWriter::create(counted_config(1));
   auto r0 = ArenaReader::attach(w->name(), 0);
   w->unlink();
-  Allocation a = filled_loan(*w, 4096, 8);
-  REQUIRE(w->publish_loan(a.slot, a.generation));
-  REQUIRE(w->publish_loan(a.slot, a.generation));
-  w->end_loan(a.slot, a.generation);
+  Allocation a = sent_loan(*w, 4096, 8, 2);
   r0->acquire(a.slot, a.generation, 4096);       // the first message
   r0->release_unacquired(a.slot, a.generation);  // the second could not be unpickled
   CHECK_FALSE(freed(*w));                        // the first is still held
@@ -358,9 +356,7 @@ TEST_CASE("counted arena: a count mid-update or of another generation never free
   auto r0 = ArenaReader::attach(w->name(), 0);
   auto r1 = ArenaReader::attach(w->name(), 1);
   w->unlink();
-  Allocation a = filled_loan(*w, 4096, 11);
-  REQUIRE(w->publish_loan(a.slot, a.generation));
-  w->end_loan(a.slot, a.generation);
+  Allocation a = sent_loan(*w, 4096, 11, 1);
   r0->acquire(a.slot, a.generation, 4096);
   r0->forward(a.slot, a.generation);
   r0->release(a.slot, a.generation);
@@ -630,9 +626,7 @@ TEST_CASE("counted arena: a view that counts no stub needs a hold that counted o
   auto w = ArenaWriter::create(counted_config(1));
   auto r0 = ArenaReader::attach(w->name(), 0);
   w->unlink();
-  Allocation a = filled_loan(*w, 8192, 12);
-  REQUIRE(w->publish_loan(a.slot, a.generation));
-  w->end_loan(a.slot, a.generation);
+  Allocation a = sent_loan(*w, 8192, 12, 1);
   // A message's stub held once (its frame 0 listing), then two tensors over parts of it.
   CHECK_THROWS_AS(r0->acquire(a.slot, a.generation, 4096, 0, 0), InvalidArgument);
   CHECK(r0->held() == 0);  // the refused acquire left nothing behind
