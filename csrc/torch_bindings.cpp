@@ -167,6 +167,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("stats", &TensorArenaWriter::stats)
       // Per reader: state, slots held, age of the oldest.
       .def("holdings", &TensorArenaWriter::holdings)
+      // One reader's state ("never_attached", "attached", "detached", "dead"); no walk.
+      .def("reader_state", &TensorArenaWriter::reader_state, py::arg("rank"))
       // Removes the shm name; mappings stay valid.
       .def("unlink", &TensorArenaWriter::unlink)
       .def_property_readonly("name", &TensorArenaWriter::name)

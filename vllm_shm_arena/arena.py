@@ -153,7 +153,7 @@ def _other_roles_call(name: str, role: str):
 #: Each role's calls, which the other role answers with a clear RuntimeError.
 _WRITER_CALLS = (
     "write write_tensor new_reducer empty give_back_unsent send_holds reclaim unlink write_blob "
-    "send_loan unsend"
+    "send_loan unsend reader_state"
 )
 _READER_CALLS = (
     "get_tensor rebuild_stub flush_releases needs_flush release_unacquired read_blob forward "
@@ -436,6 +436,10 @@ class ShmTensorArenaWriter(ShmTensorArena):
         do; the mapping stays valid even after ``close()``."""
         w = self._checked()
         return [w.hold_for_send(slot, gen) for slot, gen in allocations]
+
+    def reader_state(self, rank: int) -> str:
+        """Reader ``rank``'s state: "never_attached", "attached", "detached" or "dead"."""
+        return self._checked().reader_state(int(rank))
 
     def reclaim(self, check_liveness: bool = True) -> int:
         """Recycles slots every reader released (and those held by dead readers)."""

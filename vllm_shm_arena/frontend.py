@@ -125,7 +125,7 @@ class FrontendWriter:
 
     def holder_attached(self) -> bool:
         """Whether reader 0 (the engine core) is attached now: stubs go only then."""
-        return self.arena.stats()["holdings"][0]["state"] == "attached"
+        return self.arena.reader_state(0) == "attached"
 
     def fill(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """A loan holding a copy of ``tensor`` (same dtype and shape), or ``None`` when it

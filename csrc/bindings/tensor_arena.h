@@ -180,8 +180,14 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
     return d;
   }
 
+  static constexpr const char* kStates[] = {"never_attached", "attached", "detached", "dead"};
+
+  /// Reader `rank`'s state: "never_attached", "attached", "detached" or "dead".
+  std::string reader_state(uint32_t rank) const {
+    return kStates[static_cast<uint32_t>(writer_->reader_state(rank)) & 3];
+  }
+
   py::list holdings() const {
-    static const char* kStates[] = {"never_attached", "attached", "detached", "dead"};
     py::list out;
     for (const ReaderHolding& h : writer_->holdings()) {
       py::dict d;

@@ -860,6 +860,17 @@ WriterStats ArenaWriter::stats() const {
   return s;
 }
 
+ReaderState ArenaWriter::reader_state(uint32_t rank) const {
+  if (rank >= geo_.n_readers) {
+    throw OutOfRange("reader rank " + std::to_string(rank) + " out of range [0, " +
+                     std::to_string(geo_.n_readers) + ")");
+  }
+  // SYNC POINT: acquire; pairs with the release stores of the state in ArenaReader::attach()
+  // and detach(): a caller that sees ATTACHED sees the attach's stores before it.
+  return static_cast<ReaderState>(
+      reader_entry(region_->data(), geo_, rank)->state.load(std::memory_order_acquire) & 3u);
+}
+
 std::vector<ReaderHolding> ArenaWriter::holdings() const {
   std::lock_guard<std::mutex> lock(mu_);
   uint8_t* base = region_->data();

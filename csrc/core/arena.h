@@ -218,6 +218,8 @@ class ArenaWriter {
   WriterStats stats() const;
   /// Per reader: state, slots held and the age of the oldest.
   std::vector<ReaderHolding> holdings() const;
+  /// Reader `rank`'s state now (OutOfRange past n_readers); one load, no walk of the slots.
+  ReaderState reader_state(uint32_t rank) const;
   /// The largest payload one allocation can hold.
   uint64_t max_allocation() const;
 

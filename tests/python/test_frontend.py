@@ -35,6 +35,7 @@ def _in_use(w) -> int:
 
 def test_one_copy_then_stubs_then_zero_copy(ends):
     w, p = ends
+    assert w.holder_attached() and w.arena.reader_state(1) == "never_attached"
     src = torch.arange(3 * MiB // 4, dtype=torch.int32).reshape(3, -1)
     small = torch.ones(16)
     filled = frontend.fill_tensors(w, {"pixel_values": src, "grid": small, "n": 3})
@@ -83,6 +84,7 @@ def test_a_hit_sends_the_same_loan_again_and_both_are_owed(ends):
 def test_no_stub_while_the_engine_core_is_not_attached():
     w = FrontendWriter(1, 16 * MiB)
     loan = w.fill(torch.zeros(MiB, dtype=torch.uint8))
+    assert w.arena.reader_state(0) == "never_attached" and not w.holder_attached()
     c = w.consumer()
     c.new_message()
     assert c(loan) is None  # vLLM sends the bytes as usual
