@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -336,6 +337,7 @@ def run_config(args: argparse.Namespace, config: str, flag: str, plan: list[Imag
     rec["dev_shm_new_with_live_writer"] = others
     rec["private_shm_names_seen_starting"] = sorted(srv.names_seen_starting)
     rec["arena_line_in_log"] = ARENA_LINE in log
+    rec["frontend"] = frontend_report(log)
     rec["mismatch_lines_in_log"] = sum(MISMATCH_LINE in ln for ln in log.splitlines())
     rec["force_kill_lines_in_log"] = [ln[-160:] for ln in log.splitlines() if FORCE_KILL_LINE in ln]
     rec["grace_sigterm_lines_in_log"] = sum(GRACE_SIGTERM_LINE in ln for ln in log.splitlines())
@@ -346,6 +348,24 @@ def run_config(args: argparse.Namespace, config: str, flag: str, plan: list[Imag
 def _median(xs: list[float]) -> float:
     xs = [x for x in xs if not math.isnan(x)]
     return statistics.median(xs) if xs else math.nan
+
+
+FRONTEND_REPORT = re.compile(
+    r"frontend arena at exit: (\d+) items' tensors filled \((\d+) B\), (\d+) stubs sent, "
+    r"(\d+) declined"
+)
+FRONTEND_ENGINE_LINE = "the engine core resolves multimodal items by reference"
+
+
+def frontend_report(log: str) -> dict[str, Any]:
+    """What the API server said of its frontend arena at exit (vllm_frontend.py), and whether
+    the engine core attached it."""
+    m = FRONTEND_REPORT.search(log)
+    out: dict[str, Any] = {"engine_attached": FRONTEND_ENGINE_LINE in log, "report": m is not None}
+    if m:
+        keys = ("filled", "filled_bytes", "stubs", "declined")
+        out.update(zip(keys, map(int, m.groups()), strict=True))
+    return out
 
 
 def checks_for(rec: dict[str, Any], min_bytes: int) -> list[tuple[str, bool, str]]:
@@ -415,6 +435,20 @@ def checks_for(rec: dict[str, Any], min_bytes: int) -> list[tuple[str, bool, str
                     detail,
                 )
             )
+        fe = rec["frontend"]
+        new_bytes = sum(r["pixel_values_bytes"] for r in rec["requests"])
+        out.append(
+            (
+                "frontend arena: each image's pixel_values filled once (1.00 x its bytes) and "
+                "sent as a stub, the engine core resolving them",
+                fe["engine_attached"]
+                and fe.get("stubs", 0) >= 1
+                and fe.get("stubs") == fe.get("filled")
+                and fe.get("filled_bytes") == new_bytes
+                and fe.get("declined") == 0,
+                f"{json.dumps(fe)}; pixel_values bytes of the timed requests {new_bytes}",
+            )
+        )
         mm = m.get("vllm:shm_arena_checksum_mismatches_total")
         out.append(
             (

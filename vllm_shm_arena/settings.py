@@ -47,6 +47,15 @@ reads as "no plugin".
   used, at most VLLM_SHM_ARENA_FREE_FRACTION of the free space) instead of sending it over the
   local socket. Default: ``512``. Valid: a whole number >= 0 (0: no region; such messages go
   over the local socket). Read at import (mq/writer.py).
+* ``VLLM_SHM_ARENA_FRONTEND``: with the plugin active and --enable-shm-tensor-arena, vLLM's API
+  server copies each new multimodal item's large tensors once into a frontend arena in shared
+  memory and sends them to the engine core by reference (a stub) instead of over its socket.
+  Default: ``1``. Valid: ``0`` turns it off; any other value leaves it on. Read when the API
+  server builds its multimodal cache (vllm_frontend.py).
+* ``VLLM_SHM_ARENA_FRONTEND_HANDLE``: the frontend arena's handle (JSON), which vLLM's API
+  server sets for the engine core it starts. Default: unset. Valid: set by the package, never by
+  hand (checked field by field where read). Read when the engine core builds its request decoder
+  (vllm_frontend.py).
 * ``VLLM_SHM_ARENA_DEBUG_CHECKSUM``: the writer checksums each tensor and readers report
   releases whose bytes changed (an in-place write by a reader). Default: unset. Valid: ``1``
   turns it on; any other value leaves it off. Read per arena created (arena.py).
@@ -281,6 +290,26 @@ VARIABLES: tuple[Variable, ...] = (
         unset=512,
     ),
     Variable(
+        "VLLM_SHM_ARENA_FRONTEND",
+        "`1`",
+        "`0` turns it off; any other value leaves it on",
+        "with the plugin active and --enable-shm-tensor-arena, vLLM's API server copies each new "
+        "multimodal item's large tensors once into a frontend arena in shared memory and sends "
+        "them to the engine core by reference (a stub) instead of over its socket",
+        "when the API server builds its multimodal cache (vllm_frontend.py)",
+        lambda raw: raw != "0",
+        unset=True,
+    ),
+    Variable(
+        "VLLM_SHM_ARENA_FRONTEND_HANDLE",
+        "unset",
+        "set by the package, never by hand (checked field by field where read)",
+        "the frontend arena's handle (JSON), which vLLM's API server sets for the engine core "
+        "it starts",
+        "when the engine core builds its request decoder (vllm_frontend.py)",
+        _text,
+    ),
+    Variable(
         "VLLM_SHM_ARENA_DEBUG_CHECKSUM",
         "unset",
         "`1` turns it on; any other value leaves it off",
@@ -509,6 +538,22 @@ def frame_pool_bytes(environ: Env = None) -> int | None:
     stays)."""
     mib = value("VLLM_SHM_ARENA_FRAME_POOL_MB", environ)
     return None if mib is None else mib * _MIB
+
+
+def frontend_enabled(environ: Env = None) -> bool:
+    """``VLLM_SHM_ARENA_FRONTEND``: False only for "0"."""
+    return value("VLLM_SHM_ARENA_FRONTEND", environ)
+
+
+def frontend_handle(environ: Env = None) -> str | None:
+    """``VLLM_SHM_ARENA_FRONTEND_HANDLE``: the raw JSON, or None when unset."""
+    return value("VLLM_SHM_ARENA_FRONTEND_HANDLE", environ)
+
+
+def set_frontend_handle(raw: str) -> None:
+    """Sets ``VLLM_SHM_ARENA_FRONTEND_HANDLE`` in this process's environment (which the
+    processes it starts inherit)."""
+    os.environ["VLLM_SHM_ARENA_FRONTEND_HANDLE"] = raw
 
 
 def debug_checksum(environ: Env = None) -> bool:

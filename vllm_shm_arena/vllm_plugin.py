@@ -349,7 +349,24 @@ def _register() -> str | None:
     if mpe.MessageQueue is not ShmArenaMessageQueue:
         _patch(mpe, mq_module, ps)
         logger.debug("vllm_shm_arena: patched %s.MessageQueue", _TARGET_MODULE)
+    _install_frontend()
     return None
+
+
+def _install_frontend() -> None:
+    """The frontend arena's rebinding (vllm_frontend.py); a vLLM without its names keeps its
+    own multimodal path (a debug line: the queue, ours, is what the plugin is for)."""
+    try:
+        from vllm_shm_arena import vllm_frontend
+
+        vllm_frontend.install()
+    except Exception as e:  # noqa: BLE001  (vLLM's own multimodal path stays)
+        logger.debug(
+            "vllm_shm_arena: no frontend arena in this vLLM (%s: %s); multimodal items go as "
+            "vLLM sends them",
+            type(e).__name__,
+            e,
+        )
 
 
 def register() -> None:

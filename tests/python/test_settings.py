@@ -30,6 +30,8 @@ GOOD = {
     "VLLM_SHM_ARENA_FREE_FRACTION": [("1", 1.0), ("0.25", 0.25), ("1e-3", 1e-3)],
     "VLLM_SHM_ARENA_MIN_MB": [("1", 1), ("64", 64)],
     "VLLM_SHM_ARENA_PIN": [("0", False), ("1", True), ("no", True)],
+    "VLLM_SHM_ARENA_FRONTEND": [("0", False), ("1", True), ("no", True)],
+    "VLLM_SHM_ARENA_FRONTEND_HANDLE": [('{"name": "vsa_x"}', '{"name": "vsa_x"}')],
     "VLLM_SHM_ARENA_PIN_CHUNK_MB": [("0", 0), ("16", 16)],
     "VLLM_SHM_ARENA_TCP_TIMEOUT_S": [("0", 0), ("3", 3), ("60", 60), ("65535", 65535)],
     "VLLM_SHM_ARENA_TCP_SECURITY": [("authenticated", "authenticated"), ("encrypted", "encrypted")],
@@ -64,7 +66,9 @@ BAD = {
 }
 #: Variables whose reader treats every value as valid (flags, text, vLLM's lenient parse).
 NEVER_BAD = {
+    "VLLM_SHM_ARENA_FRONTEND_HANDLE",
     "VLLM_SHM_ARENA_PIN",
+    "VLLM_SHM_ARENA_FRONTEND",
     "VLLM_SHM_ARENA_DEBUG_CHECKSUM",
     "VLLM_HOST_IP",
     "VLLM_MQ_MAX_CHUNK_BYTES_MB",

@@ -1,0 +1,293 @@
+"""The frontend arena inside vLLM: a new multimodal item's large tensors are copied once, on
+vLLM's API server, into a counted arena (``frontend.FrontendWriter``) and go to the engine core
+as stubs through vLLM's own out-of-band tensor hooks; the engine core resolves them to
+zero-copy tensors (``frontend.StubProvider``), which its multimodal receiver cache then holds.
+
+On when the plugin is active, ``--enable-shm-tensor-arena`` is given, the multimodal cache is
+vLLM's ``lru`` one (the default) with one engine (data parallel size 1), and
+``VLLM_SHM_ARENA_FRONTEND`` is not ``0``. Three of vLLM's names are rebound (``install``):
+
+* ``vllm.renderers.base.processor_cache_from_config``: where vLLM would build its
+  ``LruKeyReplicatedSenderCache``, ``FrontendSenderCache`` (the same cache; a miss's item comes
+  back with its tensors of >= 1 MiB in loans). The API server creates the arena there, before
+  it starts the engine core, and passes the handle in ``VLLM_SHM_ARENA_FRONTEND_HANDLE``.
+* ``vllm.v1.engine.core_client.MsgpackEncoder``: with the arena, its out-of-band tensor
+  consumer turns a loan into a stub (one counted send) while the engine core is attached, and
+  hands anything else to the consumer vLLM configured (if any).
+* ``vllm.v1.engine.core.MsgpackDecoder``: with the handle in the environment, it attaches the
+  engine core as reader 0 (before the engine answers READY) and resolves stubs; any other
+  placeholder goes to the provider vLLM configured.
+
+Any failure leaves vLLM's own path: no arena (one warning), no stub while the engine core is
+not attached, a declined tensor sent as vLLM sends it. Not yet: forwarding the engine core's
+holds to the workers (the queue still copies those tensors into its own arena once), and
+taking back the sends of a message whose socket send failed (they are owed until the engine
+core goes; its rank then owes nothing).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import threading
+from typing import Any
+
+import torch
+
+from vllm_shm_arena import frontend, settings, sizing
+
+# vLLM configures the "vllm" logger tree: our lines appear among its own.
+logger = logging.getLogger("vllm.plugins.shm_tensor_arena")
+
+#: The arena is sized for vLLM's multimodal cache (mm_processor_cache_gb) plus this share for
+#: items in flight, within the shm directory's free space.
+HEADROOM = 1.25
+#: Under this, no frontend arena (items go as vLLM sends them).
+MIN_ARENA_BYTES = 64 << 20
+_GRANULE = 2 << 20
+
+_lock = threading.Lock()
+#: This API server's writer (None: none here, or it could not be made), and the process that
+#: made it (a forked engine core inherits the object, never the role).
+_writer: frontend.FrontendWriter | None = None
+_writer_pid = 0
+#: This engine core's reader 0 (created by the first decoder; None: none here).
+_provider: frontend.StubProvider | None = None
+_provider_tried = False
+
+
+def wanted(vllm_config: Any) -> str | None:
+    """None when the frontend arena applies to ``vllm_config``, else why not."""
+    if not settings.frontend_enabled():
+        return "VLLM_SHM_ARENA_FRONTEND=0"
+    pc = vllm_config.parallel_config
+    if not getattr(pc, "enable_shm_tensor_arena", False):
+        return "--enable-shm-tensor-arena is off"
+    if getattr(pc, "data_parallel_size", 1) != 1:
+        return "data parallel size > 1"
+    return None
+
+
+def arena_bytes(cache_gb: float, shm_dir: str | None = None) -> int:
+    """The frontend arena's size for a multimodal cache of ``cache_gb`` GiB: that plus
+    ``HEADROOM``, at most the share of the shm directory's free space an arena may take
+    (VLLM_SHM_ARENA_FREE_FRACTION), in whole 2 MiB blocks; 0 when under ``MIN_ARENA_BYTES``."""
+    want = int(float(cache_gb) * HEADROOM * (1 << 30))
+    room = int(sizing.measure(shm_dir).room * settings.free_fraction())
+    size = min(want, room) // _GRANULE * _GRANULE
+    return size if size >= MIN_ARENA_BYTES else 0
+
+
+def _make_writer(vllm_config: Any) -> frontend.FrontendWriter | None:
+    """This API server's writer, created once, its handle put in the environment the engine
+    core inherits; None (one warning) when it cannot be made."""
+    global _writer, _writer_pid
+    with _lock:
+        if _own_writer() is not None:
+            return _writer
+        try:
+            mm = vllm_config.model_config.get_multimodal_config()
+            size = arena_bytes(mm.mm_processor_cache_gb)
+            if size == 0:
+                logger.warning(
+                    "vllm_shm_arena: no frontend arena (too little room in the shm directory); "
+                    "multimodal items go to the engine core as vLLM sends them"
+                )
+                return None
+            pc = vllm_config.parallel_config
+            workers = int(pc.world_size)
+            w = frontend.FrontendWriter(workers, size)
+        except Exception as e:  # noqa: BLE001  (any failure here only means: no arena)
+            logger.warning(
+                "vllm_shm_arena: no frontend arena (%s: %s); multimodal items go as vLLM sends "
+                "them",
+                type(e).__name__,
+                e,
+            )
+            return None
+        settings.set_frontend_handle(frontend.handle_to_env(w.handle()))
+        atexit.register(_report_and_close, w)
+        _writer, _writer_pid = w, os.getpid()
+        logger.info(
+            "vllm_shm_arena: frontend arena %s (%d MiB): new multimodal items go to the engine "
+            "core by reference",
+            w.arena.name,
+            size >> 20,
+        )
+        return w
+
+
+#: The API server's last line about the arena (the serve test reads it).
+REPORT_LINE = "frontend arena at exit:"
+
+
+def _report_and_close(w: frontend.FrontendWriter) -> None:
+    c = w.counters
+    logger.info(
+        "vllm_shm_arena: %s %d items' tensors filled (%d B), %d stubs sent, %d declined",
+        REPORT_LINE,
+        c["filled"],
+        c["filled_bytes"],
+        c["stubs"],
+        c["declined"],
+    )
+    w.arena.close()
+
+
+def _own_writer() -> frontend.FrontendWriter | None:
+    """The writer this process made (None in any other, a forked child included)."""
+    return _writer if _writer_pid == os.getpid() else None
+
+
+def _fill_item(writer: frontend.FrontendWriter, item: Any) -> Any:
+    """``item`` (a MultiModalKwargsItem) with each element's tensor that ``writer.fill``
+    takes replaced by its loan; the same object when none is taken."""
+    changed = {}
+    for key, elem in item.items():
+        data = getattr(elem, "data", None)
+        loan = writer.fill(data) if isinstance(data, torch.Tensor) else None
+        if loan is not None:
+            changed[key] = dataclasses.replace(elem, data=loan)
+    if not changed:
+        return item
+    out = type(item)(dict(item))
+    out.update(changed)
+    return out
+
+
+def _define_classes(lru_sender: type, oob_consumer: type, encoder: type, decoder: type):
+    """The rebinding's classes, over vLLM's own (passed in: this module imports no vLLM)."""
+
+    class FrontendSenderCache(lru_sender):
+        """vLLM's LRU sender cache; a miss's tensors come back in loans (one host copy)."""
+
+        def __init__(self, model_config, writer: frontend.FrontendWriter) -> None:
+            super().__init__(model_config)
+            self._vsa_writer = writer
+
+        def get_and_update_item(self, mm_item, mm_hash):
+            out = super().get_and_update_item(mm_item, mm_hash)
+            item, updates = out
+            if item is None:  # a hit: no payload goes
+                return out
+            return _fill_item(self._vsa_writer, item), updates
+
+    class _Consumer(frontend.LoanStubConsumer, oob_consumer):
+        """Loans as stubs; everything else to the consumer vLLM configured (if any)."""
+
+        def __init__(self, writer, other) -> None:
+            frontend.LoanStubConsumer.__init__(self, writer)
+            self._other = other
+
+        def new_message(self) -> None:
+            frontend.LoanStubConsumer.new_message(self)
+            if self._attached:
+                _unlink_once(self._writer)
+            if self._other is not None:
+                self._other.new_message()
+
+        def __call__(self, tensor):
+            stub = frontend.LoanStubConsumer.__call__(self, tensor)
+            if stub is None and self._other is not None:
+                return self._other(tensor)
+            return stub
+
+    class FrontendMsgpackEncoder(encoder):
+        """vLLM's encoder; with this process's frontend arena, loans go as stubs."""
+
+        def __init__(self, size_threshold=None, oob_tensor_consumer=None):
+            writer = _own_writer()
+            if writer is not None:
+                oob_tensor_consumer = _Consumer(writer, oob_tensor_consumer)
+            super().__init__(size_threshold, oob_tensor_consumer=oob_tensor_consumer)
+
+    class FrontendMsgpackDecoder(decoder):
+        """vLLM's decoder; with a frontend handle in the environment, stubs resolve here."""
+
+        def __init__(self, t=None, share_mem=True, oob_tensor_provider=None):
+            provider = _engine_provider()
+            if provider is not None:
+                fallback = oob_tensor_provider
+
+                def resolve(dtype, shape, data):
+                    if frontend.is_stub(data) or fallback is None:
+                        return provider(dtype, shape, data)
+                    return fallback(dtype, shape, data)
+
+                oob_tensor_provider = resolve
+            super().__init__(t, share_mem, oob_tensor_provider=oob_tensor_provider)
+
+    return FrontendSenderCache, FrontendMsgpackEncoder, FrontendMsgpackDecoder
+
+
+_unlinked: set[str] = set()
+
+
+def _unlink_once(writer: frontend.FrontendWriter) -> None:
+    """Once the engine core is attached nothing else attaches (yet): the name goes, so no
+    stop, however abrupt, leaves it behind."""
+    name = writer.arena.name
+    if name not in _unlinked:
+        _unlinked.add(name)
+        writer.arena.unlink()
+
+
+def _engine_provider() -> frontend.StubProvider | None:
+    """This engine core's reader 0, attached on first use from the handle in the environment;
+    None (one warning) when there is none or it cannot attach."""
+    global _provider, _provider_tried
+    with _lock:
+        if _provider_tried:
+            return _provider
+        _provider_tried = True
+        raw = settings.frontend_handle()
+        if not raw or _own_writer() is not None:  # no arena, or the API server itself
+            return None
+        try:
+            _provider = frontend.StubProvider(frontend.handle_from_env(raw))
+        except Exception as e:  # noqa: BLE001  (no provider: the API server sends no stub)
+            logger.warning(
+                "vllm_shm_arena: the engine core cannot attach the frontend arena (%s: %s); "
+                "multimodal items come as vLLM sends them",
+                type(e).__name__,
+                e,
+            )
+            return None
+        logger.info("vllm_shm_arena: the engine core resolves multimodal items by reference")
+        return _provider
+
+
+def install() -> None:
+    """Rebinds vLLM's three names (module docstring). Idempotent. ImportError or
+    AttributeError when this vLLM lacks one of them (the caller keeps vLLM's own)."""
+    import vllm.renderers.base as renderer_base
+    import vllm.v1.engine.core as engine_core
+    import vllm.v1.engine.core_client as core_client
+    from vllm.multimodal.cache import LruKeyReplicatedSenderCache
+    from vllm.v1.serial_utils import OOBTensorConsumer
+
+    if getattr(renderer_base.processor_cache_from_config, "_vsa_frontend", False):
+        return
+    original = renderer_base.processor_cache_from_config
+    sender, enc, dec = _define_classes(
+        LruKeyReplicatedSenderCache,
+        OOBTensorConsumer,
+        core_client.MsgpackEncoder,
+        engine_core.MsgpackDecoder,
+    )
+
+    def processor_cache_from_config(vllm_config):
+        cache = original(vllm_config)
+        if type(cache) is not LruKeyReplicatedSenderCache or wanted(vllm_config) is not None:
+            return cache
+        writer = _make_writer(vllm_config)
+        if writer is None:
+            return cache
+        return sender(vllm_config.model_config, writer)
+
+    processor_cache_from_config._vsa_frontend = True
+    renderer_base.processor_cache_from_config = processor_cache_from_config
+    core_client.MsgpackEncoder = enc
+    engine_core.MsgpackDecoder = dec
