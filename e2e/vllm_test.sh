@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# `make vllm-test`: runs tests/python/test_vllm_real.py (and the vLLM-hook case of
-# tests/python/test_frontend.py) against the real vLLM wheel.
+# `make vllm-test`: runs tests/python/test_vllm_real.py (and the vLLM cases of
+# tests/python/test_frontend.py and test_vllm_frontend.py) against the real vLLM wheel.
 #
 # Builds .venv-vllm once (torch, the vLLM wheel without its dependencies, and exactly the
 # packages that importing vllm.v1.executor.multiproc_executor needs on a CPU-only machine; see
@@ -62,4 +62,4 @@ fi
 "$PY" -c "import vllm, torch; print(f'vllm-test: vllm {vllm.__version__}, torch {torch.__version__}')"
 # e2e/vllm_queue_tests.sh uses this script to build the venv only.
 if [ "${VLLM_TEST_SETUP_ONLY:-0}" = 1 ]; then exit 0; fi
-exec "$PY" -m pytest -q -p no:cacheprovider -m vllm tests/python/test_vllm_real.py tests/python/test_frontend.py "$@"
+exec "$PY" -m pytest -q -p no:cacheprovider -m vllm tests/python/test_vllm_real.py tests/python/test_frontend.py tests/python/test_vllm_frontend.py "$@"

@@ -1,0 +1,147 @@
+"""The frontend arena's rebinding into vLLM (vllm_shm_arena/vllm_frontend.py).
+
+Without vLLM: when it applies (``wanted``), how big the arena is (``arena_bytes``), and an
+item's tensors moved into loans (``_fill_item``) with everything else left as it was. With vLLM
+(``make vllm-test``): ``install()`` rebinds the three names once; a multimodal item encoded by
+the rebound encoder on the "API server" carries stubs, not payload frames, and the rebound
+decoder in another process (the "engine core", reader 0) rebuilds it byte for byte; the slot
+comes back once the engine core lets go.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import multiprocessing as mp
+from collections import UserDict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_shm_arena import frontend, settings, vllm_frontend
+
+MiB = 1 << 20
+
+
+def _config(flag=True, dp=1, cache_gb=0.25, world=2):
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(
+            enable_shm_tensor_arena=flag, data_parallel_size=dp, world_size=world
+        ),
+        model_config=SimpleNamespace(
+            get_multimodal_config=lambda: SimpleNamespace(mm_processor_cache_gb=cache_gb)
+        ),
+    )
+
+
+def test_it_applies_only_with_the_flag_one_engine_and_the_setting_on(monkeypatch):
+    assert vllm_frontend.wanted(_config()) is None
+    assert "enable-shm-tensor-arena" in vllm_frontend.wanted(_config(flag=False))
+    assert "data parallel" in vllm_frontend.wanted(_config(dp=2))
+    monkeypatch.setenv("VLLM_SHM_ARENA_FRONTEND", "0")
+    assert "VLLM_SHM_ARENA_FRONTEND=0" in vllm_frontend.wanted(_config())
+
+
+def test_the_arena_is_the_cache_plus_headroom_within_the_free_space(tmp_path):
+    size = vllm_frontend.arena_bytes(0.25, str(tmp_path))
+    want = int(0.25 * vllm_frontend.HEADROOM * (1 << 30)) // (2 << 20) * (2 << 20)
+    room = vllm_frontend.sizing.measure(str(tmp_path)).room * settings.free_fraction()
+    assert size == min(want, int(room) // (2 << 20) * (2 << 20)) or size == 0
+    assert size % (2 << 20) == 0
+    assert vllm_frontend.arena_bytes(0.0, str(tmp_path)) == 0  # under MIN_ARENA_BYTES: none
+
+
+@dataclasses.dataclass
+class _Elem:  # the shape of vLLM's MultiModalFieldElem
+    data: object
+    field: str
+
+
+class _Item(UserDict):  # the shape of vLLM's MultiModalKwargsItem
+    pass
+
+
+def test_an_items_large_tensors_move_into_loans_and_nothing_else_changes():
+    w = frontend.FrontendWriter(1, 16 * MiB)
+    big = torch.arange(MiB // 2, dtype=torch.float32)
+    grid = torch.tensor([[1, 36, 36]])
+    item = _Item({"pixel_values": _Elem(big, "batched"), "grid": _Elem(grid, "batched")})
+    out = vllm_frontend._fill_item(w, item)
+    assert type(out) is _Item and out is not item
+    assert out["pixel_values"].field == "batched" and torch.equal(out["pixel_values"].data, big)
+    assert out["pixel_values"].data.data_ptr() != big.data_ptr()  # a loan
+    assert out["grid"] is item["grid"]  # small: as it was
+    assert item["pixel_values"].data is big  # the original item is untouched
+    small = _Item({"grid": _Elem(grid, "batched")})
+    assert vllm_frontend._fill_item(w, small) is small
+    del out
+    gc.collect()
+    w.arena.close()
+
+
+def _engine_core(raw_handle, conn):
+    """A stand-in engine core: the rebound decoder attaches reader 0 from the environment."""
+    import os
+
+    os.environ["VLLM_SHM_ARENA_FRONTEND_HANDLE"] = raw_handle
+    import vllm.v1.engine.core as engine_core
+    from vllm.multimodal.inputs import MultiModalKwargsItem
+
+    vllm_frontend.install()
+    dec = engine_core.MsgpackDecoder(MultiModalKwargsItem)
+    conn.send("attached")
+    frames = conn.recv()
+    item = dec.decode(frames)
+    t = item["pixel_values"].data
+    conn.send((float(t.sum()), tuple(t.shape), str(t.dtype)))
+    conn.recv()  # hold until told
+    del item, t
+    gc.collect()
+    conn.send("released")
+    conn.recv()
+
+
+@pytest.mark.vllm
+def test_through_vllms_rebound_encoder_and_decoder():
+    core_client = pytest.importorskip("vllm.v1.engine.core_client")
+    from vllm.multimodal.inputs import (
+        MultiModalBatchedField,
+        MultiModalFieldElem,
+        MultiModalKwargsItem,
+    )
+
+    vllm_frontend.install()
+    vllm_frontend.install()  # idempotent
+    assert core_client.MsgpackEncoder.__name__ == "FrontendMsgpackEncoder"
+    w = frontend.FrontendWriter(2, 32 * MiB)
+    saved = (vllm_frontend._writer, vllm_frontend._writer_pid)
+    vllm_frontend._writer, vllm_frontend._writer_pid = w, __import__("os").getpid()
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=_engine_core, args=(frontend.handle_to_env(w.handle()), b))
+    p.start()
+    try:
+        assert a.recv() == "attached"
+        src = torch.randn(512, 1024)
+        elem = MultiModalFieldElem(data=src, field=MultiModalBatchedField())
+        item = vllm_frontend._fill_item(w, MultiModalKwargsItem({"pixel_values": elem}))
+        enc = core_client.MsgpackEncoder()
+        frames = enc.encode(item)
+        assert len(frames) == 1  # a stub, no payload frame
+        a.send([bytes(f) for f in frames])
+        assert a.recv() == (float(src.sum()), (512, 1024), "torch.float32")
+        del item, elem
+        gc.collect()
+        w.arena.reclaim(check_liveness=False)
+        assert w.arena.stats(holdings=False)["in_use"] == 1  # the engine core holds it
+        a.send("release")
+        assert a.recv() == "released"
+        w.arena.reclaim(check_liveness=False)
+        assert w.arena.stats(holdings=False)["in_use"] == 0
+        a.send("exit")
+    finally:
+        p.join(60)
+        vllm_frontend._writer, vllm_frontend._writer_pid = saved
+        w.arena.close()
+    assert p.exitcode == 0
