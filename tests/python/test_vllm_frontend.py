@@ -145,3 +145,22 @@ def test_through_vllms_rebound_encoder_and_decoder():
         vllm_frontend._writer, vllm_frontend._writer_pid = saved
         w.arena.close()
     assert p.exitcode == 0
+
+
+def test_a_changed_signature_is_named_and_refuses_the_rebinding():
+    def cache_factory(vllm_config, extra):  # one parameter more than verified
+        pass
+
+    live = {name: None for name in vllm_frontend.FRONTEND_INTERFACE}
+
+    def shaped(params):
+        ns: dict = {}
+        exec(f"def f({', '.join(params)}): pass", ns)  # noqa: S102  (a test's own text)
+        return ns["f"]
+
+    for name, params in vllm_frontend.FRONTEND_INTERFACE.items():
+        live[name] = shaped(params)
+    assert vllm_frontend.interface_changes(live) == []
+    live["processor_cache_from_config"] = cache_factory
+    (change,) = vllm_frontend.interface_changes(live)
+    assert change.startswith("processor_cache_from_config(vllm_config, extra)")
