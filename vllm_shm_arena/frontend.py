@@ -199,6 +199,10 @@ class LoanStubConsumer:
         """The (slot, generation) sends the message encoded last made (a copy)."""
         return list(self._sends)
 
+    def new_sends(self) -> None:
+        """Forgets the sends recorded so far (their message's fate is settled elsewhere)."""
+        self._sends = []
+
     def unsend(self, sends: Sequence[tuple[int, int]]) -> None:
         """Takes back the sends of a message that did not go (reader 0 will never ack them)."""
         for slot, gen in sends:

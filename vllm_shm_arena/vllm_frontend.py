@@ -18,11 +18,13 @@ vLLM's ``lru`` one (the default) with one engine (data parallel size 1), and
   engine core as reader 0 (before the engine answers READY) and resolves stubs; any other
   placeholder goes to the provider vLLM configured.
 
+``SyncMPClient._send_input`` and ``AsyncMPClient._send_input`` are wrapped too: a message
+whose encoding or socket send fails (raised, or its send future failed or was cancelled) has
+its sends taken back, so the engine core never owes stubs it was not sent.
+
 Any failure leaves vLLM's own path: no arena (one warning), no stub while the engine core is
 not attached, a declined tensor sent as vLLM sends it. Not yet: forwarding the engine core's
-holds to the workers (the queue still copies those tensors into its own arena once), and
-taking back the sends of a message whose socket send failed (they are owed until the engine
-core goes; its rank then owes nothing).
+holds to the workers (the queue still copies those tensors into its own arena once).
 """
 
 from __future__ import annotations
@@ -200,9 +202,22 @@ def _define_classes(lru_sender: type, oob_consumer: type, encoder: type, decoder
 
         def __init__(self, size_threshold=None, oob_tensor_consumer=None):
             writer = _own_writer()
+            self._vsa_consumer = None
             if writer is not None:
-                oob_tensor_consumer = _Consumer(writer, oob_tensor_consumer)
+                oob_tensor_consumer = self._vsa_consumer = _Consumer(writer, oob_tensor_consumer)
             super().__init__(size_threshold, oob_tensor_consumer=oob_tensor_consumer)
+
+        def vsa_take_sends(self) -> list[tuple[int, int]]:
+            """The sends the message encoded last made (once: later calls return [])."""
+            c = self._vsa_consumer
+            if c is None:
+                return []
+            sends = c.sends_of_message()
+            c.new_sends()
+            return sends
+
+        def vsa_unsend(self, sends) -> None:
+            self._vsa_consumer.unsend(sends)
 
     class FrontendMsgpackDecoder(decoder):
         """vLLM's decoder; with a frontend handle in the environment, stubs resolve here."""
@@ -221,6 +236,33 @@ def _define_classes(lru_sender: type, oob_consumer: type, encoder: type, decoder
             super().__init__(t, share_mem, oob_tensor_provider=oob_tensor_provider)
 
     return FrontendSenderCache, FrontendMsgpackEncoder, FrontendMsgpackDecoder
+
+
+def _unsend_on_failure(send_input):
+    """``send_input`` (an MPClient's ``_send_input``: encode, then queue on the socket) with
+    the message's sends taken back when it does not go: it raised, or the send future it
+    returned failed or was cancelled."""
+
+    def _send_input(self, *args, **kwargs):
+        enc = self.encoder
+        take = getattr(enc, "vsa_take_sends", None)
+        try:
+            result = send_input(self, *args, **kwargs)
+        except BaseException:
+            if take is not None and (sends := take()):
+                enc.vsa_unsend(sends)
+            raise
+        if take is not None and (sends := take()) and hasattr(result, "add_done_callback"):
+
+            def settle(fut, sends=sends):
+                if fut.cancelled() or fut.exception() is not None:
+                    enc.vsa_unsend(sends)
+
+            result.add_done_callback(settle)
+        return result
+
+    _send_input._vsa_frontend = True
+    return _send_input
 
 
 _unlinked: set[str] = set()
@@ -271,6 +313,8 @@ FRONTEND_INTERFACE: dict[str, tuple[str, ...]] = {
     "MsgpackDecoder.__init__": ("self", "t=None", "share_mem=True", "oob_tensor_provider=None"),
     "OOBTensorConsumer.__call__": ("self", "tensor"),
     "OOBTensorConsumer.new_message": ("self",),
+    "SyncMPClient._send_input": ("self", "request_type", "request"),
+    "AsyncMPClient._send_input": ("self", "request_type", "request", "engine=None"),
 }
 
 
@@ -308,6 +352,8 @@ def install() -> None:
             "MsgpackDecoder.__init__": engine_core.MsgpackDecoder.__init__,
             "OOBTensorConsumer.__call__": OOBTensorConsumer.__call__,
             "OOBTensorConsumer.new_message": OOBTensorConsumer.new_message,
+            "SyncMPClient._send_input": core_client.SyncMPClient._send_input,
+            "AsyncMPClient._send_input": core_client.AsyncMPClient._send_input,
         }
     )
     if changes:
@@ -332,3 +378,5 @@ def install() -> None:
     renderer_base.processor_cache_from_config = processor_cache_from_config
     core_client.MsgpackEncoder = enc
     engine_core.MsgpackDecoder = dec
+    for client in (core_client.SyncMPClient, core_client.AsyncMPClient):
+        client._send_input = _unsend_on_failure(client._send_input)

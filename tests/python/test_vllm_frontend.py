@@ -129,6 +129,12 @@ def test_through_vllms_rebound_encoder_and_decoder():
         enc = core_client.MsgpackEncoder()
         frames = enc.encode(item)
         assert len(frames) == 1  # a stub, no payload frame
+        sends = enc.vsa_take_sends()
+        assert len(sends) == 1 and enc.vsa_take_sends() == []
+        failed = enc.encode(item)  # a second message whose send fails: taken back
+        enc.vsa_unsend(enc.vsa_take_sends())
+        assert len(failed) == 1 and w.arena.stats(holdings=False)["sends"] == 1
+        assert core_client.AsyncMPClient._send_input._vsa_frontend
         a.send([bytes(f) for f in frames])
         assert a.recv() == (float(src.sum()), (512, 1024), "torch.float32")
         del item, elem
@@ -164,3 +170,46 @@ def test_a_changed_signature_is_named_and_refuses_the_rebinding():
     live["processor_cache_from_config"] = cache_factory
     (change,) = vllm_frontend.interface_changes(live)
     assert change.startswith("processor_cache_from_config(vllm_config, extra)")
+
+
+class _Encoder:  # the rebound encoder's surface the wrapper uses
+    def __init__(self, sends):
+        self._sends, self.unsent = list(sends), []
+
+    def vsa_take_sends(self):
+        sends, self._sends = self._sends, []
+        return sends
+
+    def vsa_unsend(self, sends):
+        self.unsent.extend(sends)
+
+
+def test_a_message_that_does_not_go_has_its_sends_taken_back():
+    from concurrent.futures import Future
+
+    def raising(self, request_type, request):
+        raise OSError("socket closed")
+
+    client = SimpleNamespace(encoder=_Encoder([(3, 7)]))
+    with pytest.raises(OSError):
+        vllm_frontend._unsend_on_failure(raising)(client, 0, None)
+    assert client.encoder.unsent == [(3, 7)]
+
+    outcomes = {}
+    for outcome in ("sent", "failed", "cancelled"):
+        fut = Future()
+        client = SimpleNamespace(encoder=_Encoder([(1, 2), (4, 5)]))
+        returned = vllm_frontend._unsend_on_failure(lambda self, t, r, f=fut: f)(client, 0, None)
+        assert returned is fut
+        assert client.encoder.unsent == []  # not settled yet
+        if outcome == "sent":
+            fut.set_result(None)
+        elif outcome == "failed":
+            fut.set_exception(OSError("lost"))
+        else:
+            fut.cancel()
+        outcomes[outcome] = client.encoder.unsent
+    assert outcomes == {"sent": [], "failed": [(1, 2), (4, 5)], "cancelled": [(1, 2), (4, 5)]}
+
+    plain = SimpleNamespace(encoder=object())  # vLLM's own encoder: nothing to take back
+    assert vllm_frontend._unsend_on_failure(lambda self, t, r: "ok")(plain, 0, None) == "ok"
