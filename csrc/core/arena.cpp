@@ -67,14 +67,15 @@ CountEntry* forwarded_entry(uint8_t* base, const ArenaGeometry& g, uint32_t slot
 // A CountEntry's generation word while its one writer stores a new generation's count.
 constexpr uint64_t kCountUpdating = ~uint64_t{0};
 
-// What a CountEntry says about generation `g` (arena_layout.h: the seqlock).
-enum class CountRead { kCount, kOtherGeneration, kUpdating };
-CountRead read_count(const CountEntry* e, uint64_t g, uint64_t* count) {
+// What a CountEntry counts for generation `g` (arena_layout.h: the seqlock): its count; 0 when
+// it holds another generation (its writer counted nothing of `g` yet); nullopt while its
+// writer stores a new generation's count (or died doing so): cannot tell.
+std::optional<uint64_t> count_for(const CountEntry* e, uint64_t g) {
   // SYNC POINT: acquire; pairs with the release store of the generation in store_count(): the
   // count stored before it is visible.
   const uint64_t g1 = e->generation.load(std::memory_order_acquire);
-  if (g1 == kCountUpdating) return CountRead::kUpdating;
-  if (g1 != g) return CountRead::kOtherGeneration;
+  if (g1 == kCountUpdating) return std::nullopt;
+  if (g1 != g) return 0;
   // SYNC POINT: acquire; pairs with the release store of a same-generation count in
   // store_count(): what the entry's writer did before that store is visible.
   const uint64_t c = e->count.load(std::memory_order_acquire);
@@ -82,9 +83,8 @@ CountRead read_count(const CountEntry* e, uint64_t g, uint64_t* count) {
   // (seqlock reader), pairing with the release fence in store_count().
   std::atomic_thread_fence(std::memory_order_acquire);
   // SYNC POINT: relaxed; ordered by the fence above.
-  if (e->generation.load(std::memory_order_relaxed) != g) return CountRead::kUpdating;
-  *count = c;
-  return CountRead::kCount;
+  if (e->generation.load(std::memory_order_relaxed) != g) return std::nullopt;
+  return c;
 }
 
 // The entry's own count for `g` as its one writer sees it (0 if it holds another generation).
@@ -98,7 +98,7 @@ uint64_t own_count(const CountEntry* e, uint64_t g) {
 void store_count(CountEntry* e, uint64_t g, uint64_t count) {
   // SYNC POINT: relaxed; the calling process is the entry's only writer.
   if (e->generation.load(std::memory_order_relaxed) == g) {
-    // SYNC POINT: release; pairs with the acquire load of the count in read_count(): every
+    // SYNC POINT: release; pairs with the acquire load of the count in count_for(): every
     // access to the slot's bytes before this store happens-before the writer recycles it.
     e->count.store(count, std::memory_order_release);
     return;
@@ -106,12 +106,12 @@ void store_count(CountEntry* e, uint64_t g, uint64_t count) {
   // A new generation, as a seqlock writer: mark, count, generation.
   // SYNC POINT: relaxed; ordered before the count by the release fence below.
   e->generation.store(kCountUpdating, std::memory_order_relaxed);
-  // SYNC POINT: release fence; pairs with the acquire fence in read_count(): a reader that
+  // SYNC POINT: release fence; pairs with the acquire fence in count_for(): a reader that
   // loads the new count also sees the mark (or the new generation) on its re-check.
   std::atomic_thread_fence(std::memory_order_release);
   // SYNC POINT: relaxed; published by the release store of the generation below.
   e->count.store(count, std::memory_order_relaxed);
-  // SYNC POINT: release; pairs with the acquire load of the generation in read_count().
+  // SYNC POINT: release; pairs with the acquire load of the generation in count_for().
   e->generation.store(g, std::memory_order_release);
 }
 
@@ -447,39 +447,26 @@ void ArenaWriter::count_decline(DeclineReason why) {
 
 std::optional<uint64_t> ArenaWriter::owed_by(uint32_t rank, uint32_t slot) const {
   if (rank == 0) return sent_[slot];
-  uint64_t forwarded = 0;
-  switch (read_count(forwarded_entry(region_->data(), geo_, slot), gen_[slot], &forwarded)) {
-    case CountRead::kCount:
-      return forwarded;
-    case CountRead::kOtherGeneration:
-      return 0;  // reader 0 never forwarded this generation
-    case CountRead::kUpdating:
-      break;
-  }
-  return std::nullopt;  // reader 0 is storing its first forward now (or died doing so)
+  // nullopt: reader 0 is storing its first forward now (or died doing so).
+  return count_for(forwarded_entry(region_->data(), geo_, slot), gen_[slot]);
+}
+
+std::optional<uint64_t> ArenaWriter::acked_by(uint32_t rank, uint32_t slot, uint64_t gen) const {
+  // The acquire loads in count_for pair with the release stores in store_count() (the
+  // reader's acks): its last access to the bytes happens-before the writer reuses them.
+  return count_for(acked_entry(region_->data(), geo_, rank, slot), gen);
 }
 
 bool ArenaWriter::reader_done(uint32_t rank, uint32_t slot, uint64_t gen,
                               std::optional<uint64_t> owed) const {
-  uint8_t* base = region_->data();
   if (!geo_.counted) {
     // SYNC POINT: acquire; pairs with the release store in ArenaReader::release(): the
     // reader's last access to the bytes happens-before the writer reuses them.
-    return released_gen(base, geo_, rank, slot)->load(std::memory_order_acquire) == gen;
+    return released_gen(region_->data(), geo_, rank, slot)->load(std::memory_order_acquire) == gen;
   }
   if (!owed) return false;
-  uint64_t acked = 0;
-  // The acquire loads in read_count pair with the release stores in store_count() (the
-  // reader's acks): its last access to the bytes happens-before the writer reuses them.
-  switch (read_count(acked_entry(base, geo_, rank, slot), gen, &acked)) {
-    case CountRead::kCount:
-      return acked == *owed;
-    case CountRead::kOtherGeneration:
-      return *owed == 0;
-    case CountRead::kUpdating:
-      break;
-  }
-  return false;
+  const std::optional<uint64_t> acked = acked_by(rank, slot, gen);
+  return acked && *acked == *owed;
 }
 
 bool ArenaWriter::reader_lets_go(uint32_t rank, uint32_t slot, uint64_t gen,
@@ -712,10 +699,14 @@ void ArenaWriter::unsend(uint32_t slot, uint64_t generation) {
     throw InvalidArgument("unsend: allocation (slot " + std::to_string(slot) + ", generation " +
                           std::to_string(generation) + ") has no send to take back");
   }
-  --sent_[slot];
+  take_back_send_locked(slot);
+  if (loan_hold_[slot]) --stats_.loans_sent;
+}
+
+void ArenaWriter::take_back_send_locked(uint32_t rec) {
+  --sent_[rec];
   --stats_.sends;
   ++stats_.unsends;
-  if (loan_hold_[slot]) --stats_.loans_sent;
 }
 
 void ArenaWriter::end_loan(uint32_t slot, uint64_t generation) {
@@ -774,18 +765,14 @@ void ArenaWriter::abort(const Allocation& stub) {
   // Counters come from what allocate() handed out, not from the caller's copy.
   const Allocation& a = live_[stub.slot];
   const bool was_published = published_[a.slot];
-  if (geo_.counted && was_published && sent_[a.slot] > 1) {
-    // Sent before: only this send is taken back; reader 0 still owes the earlier ones.
-    --sent_[a.slot];
-    --stats_.sends;
-    ++stats_.unsends;
-    if (loan_hold_[a.slot]) --stats_.loans_sent;
-    return;
-  }
   if (geo_.counted && was_published) {
-    sent_[a.slot] = 0;
-    --stats_.sends;
-    ++stats_.unsends;
+    if (sent_[a.slot] > 0) {
+      take_back_send_locked(a.slot);
+      if (loan_hold_[a.slot]) --stats_.loans_sent;
+      // Sent before: only this send is taken back; reader 0 still owes the earlier ones.
+      if (sent_[a.slot] > 0) return;
+    }
+    // Every send taken back (the loan counter with each): the publish is undone below.
   }
   if (was_published) {
     // Undo the publish counters: the allocation never reached anyone.
@@ -805,7 +792,7 @@ void ArenaWriter::abort(const Allocation& stub) {
     if (!was_published) return;
     // An aborted send of a loan: the writer still holds its view; unpublish, keep the loan.
     unpublish_locked(a.slot);
-    --stats_.loans_sent;
+    if (!geo_.counted) --stats_.loans_sent;  // counted: taken back with its sends above
     ++stats_.aborted;
     return;
   }
@@ -887,13 +874,8 @@ std::vector<ReaderHolding> ArenaWriter::holdings() const {
       std::optional<uint64_t> owed;
       if (geo_.counted) {
         owed = owed_by(r, rec);
-        uint64_t acked = 0;
-        if (owed &&
-            read_count(acked_entry(base, geo_, r, rec), gen_[rec], &acked) == CountRead::kCount) {
-          out[r].owed += *owed > acked ? *owed - acked : 0;
-        } else if (owed) {
-          out[r].owed += *owed;
-        }
+        const uint64_t acked = acked_by(r, rec, gen_[rec]).value_or(0);
+        if (owed) out[r].owed += *owed > acked ? *owed - acked : 0;
       }
       if (reader_done(r, rec, gen_[rec], owed)) continue;
       ++out[r].slots_held;

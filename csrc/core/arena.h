@@ -259,6 +259,10 @@ class ArenaWriter {
   /// Counted arenas: the acquires reader `rank` owes for `slot` (reader 0: what was sent;
   /// the others: what reader 0 forwarded), nullopt when the forwarded count is mid-update.
   std::optional<uint64_t> owed_by(uint32_t rank, uint32_t slot) const;
+  /// Counted arenas: the stubs of (`slot`, `gen`) reader `rank` acked (nullopt: mid-update).
+  std::optional<uint64_t> acked_by(uint32_t rank, uint32_t slot, uint64_t gen) const;
+  /// Counted arenas: one send of `slot` taken back (sent_ and the counters; `slot` has one).
+  void take_back_send_locked(uint32_t slot);
 
   std::shared_ptr<ShmRegion> region_;
   ArenaGeometry geo_;  // validated once; never re-read from shared memory
