@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -118,7 +117,8 @@ class FrontendWriter:
         )
         self.min_bytes = int(min_bytes)
         self._warned: set[str] = set()
-        self.counters = {"filled": 0, "filled_bytes": 0, "declined": 0, "stubs": 0}
+        # What fill did; the stubs sent are the arena's own count (stats()["sends"]).
+        self.counters = {"filled": 0, "filled_bytes": 0, "declined": 0}
 
     def handle(self) -> ArenaHandle:
         return self.arena.handle()
@@ -186,7 +186,6 @@ class LoanStubConsumer:
             return None
         slot, gen, off = ref
         self._sends.append((slot, gen))
-        self._writer.counters["stubs"] += 1
         return {
             STUB_KEY: self._writer.arena.name,
             "slot": slot,
@@ -224,8 +223,6 @@ class StubProvider:
         self.reader: ShmTensorArenaReader = ShmTensorArena.attach(handle, 0)
         self._name = handle.name
         self._fallback = fallback
-        self._lock = threading.Lock()
-        self.counters = {"stubs": 0}
 
     def __call__(self, dtype: str, shape: Sequence[int], data: Any) -> torch.Tensor:
         if not is_stub(data):
@@ -247,7 +244,7 @@ class StubProvider:
         dims = list(shape)
         if not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
             raise ValueError(f"stub shape is not a list of integers: {shape!r}")
-        t = self.reader.get_tensor(
+        return self.reader.get_tensor(
             fields["slot"],
             fields["nbytes"],
             dtype_from_name(dtype),
@@ -256,19 +253,6 @@ class StubProvider:
             offset=fields["off"],
             stubs=1,
         )
-        with self._lock:
-            self.counters["stubs"] += 1
-        return t
 
     def close(self) -> None:
         self.reader.close()
-
-
-def fill_tensors(writer: FrontendWriter, tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """``tensors`` with every tensor ``writer.fill`` takes replaced by its loan (other values,
-    and tensors it declines, as they were)."""
-    out = {}
-    for key, value in tensors.items():
-        loan = writer.fill(value) if isinstance(value, torch.Tensor) else None
-        out[key] = value if loan is None else loan
-    return out

@@ -344,6 +344,10 @@ class ArenaSize:
         return d
 
 
+#: Regions beside the arena come in whole blocks of this size (a huge page on x86-64).
+_REGION_GRANULE = 2 << 20
+
+
 def _mib(n: int) -> str:
     return f"{n / _MIB:.0f} MiB" if n % _MIB == 0 or n >= 100 * _MIB else f"{n / _MIB:.1f} MiB"
 
@@ -471,6 +475,15 @@ def choose(
         message=message,
         **base,
     )
+
+
+def region_share(want: int, shm_dir: str | None = None, ring_path: str | None = None) -> int:
+    """A region beside the arena (a queue's blob region, the frontend arena): ``want`` bytes
+    at most, and at most VLLM_SHM_ARENA_FREE_FRACTION of what ``shm_dir`` can back beside the
+    ring at ``ring_path`` (``measure``), in whole 2 MiB blocks. ``OSError`` if the directory
+    cannot be measured."""
+    room = int(measure(shm_dir, ring_path).room * settings.free_fraction())
+    return min(want, room) // _REGION_GRANULE * _REGION_GRANULE
 
 
 def plan(

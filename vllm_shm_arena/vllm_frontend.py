@@ -49,7 +49,6 @@ logger = logging.getLogger("vllm.plugins.shm_tensor_arena")
 HEADROOM = 1.25
 #: Under this, no frontend arena (items go as vLLM sends them).
 MIN_ARENA_BYTES = 64 << 20
-_GRANULE = 2 << 20
 
 _lock = threading.Lock()
 #: This API server's writer (None: none here, or it could not be made), and the process that
@@ -77,9 +76,7 @@ def arena_bytes(cache_gb: float, shm_dir: str | None = None) -> int:
     """The frontend arena's size for a multimodal cache of ``cache_gb`` GiB: that plus
     ``HEADROOM``, at most the share of the shm directory's free space an arena may take
     (VLLM_SHM_ARENA_FREE_FRACTION), in whole 2 MiB blocks; 0 when under ``MIN_ARENA_BYTES``."""
-    want = int(float(cache_gb) * HEADROOM * (1 << 30))
-    room = int(sizing.measure(shm_dir).room * settings.free_fraction())
-    size = min(want, room) // _GRANULE * _GRANULE
+    size = sizing.region_share(int(float(cache_gb) * HEADROOM * (1 << 30)), shm_dir)
     return size if size >= MIN_ARENA_BYTES else 0
 
 
@@ -133,7 +130,7 @@ def _report_and_close(w: frontend.FrontendWriter) -> None:
         REPORT_LINE,
         c["filled"],
         c["filled_bytes"],
-        c["stubs"],
+        w.arena.stats(holdings=False)["sends"],
         c["declined"],
     )
     w.arena.close()

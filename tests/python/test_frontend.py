@@ -38,10 +38,9 @@ def test_one_copy_then_stubs_then_zero_copy(ends):
     assert w.holder_attached() and w.arena.reader_state(1) == "never_attached"
     src = torch.arange(3 * MiB // 4, dtype=torch.int32).reshape(3, -1)
     small = torch.ones(16)
-    filled = frontend.fill_tensors(w, {"pixel_values": src, "grid": small, "n": 3})
-    loan = filled["pixel_values"]
+    loan = w.fill(src)
     assert loan is not src and torch.equal(loan, src)
-    assert filled["grid"] is small and filled["n"] == 3  # too small / not a tensor: as is
+    assert w.fill(small) is None and w.fill(3) is None  # too small / not a tensor: left as is
     assert w.counters["filled"] == 1 and w.counters["filled_bytes"] == src.nbytes
     c = w.consumer()
     c.new_message()
@@ -54,7 +53,7 @@ def test_one_copy_then_stubs_then_zero_copy(ends):
     assert torch.equal(got, src)
     loan[0, 0] = -7  # the same pages: zero-copy
     assert int(got[0, 0]) == -7
-    del loan, filled
+    del loan
     gc.collect()
     assert _in_use(w) == 1  # the engine core's tensor holds it
     del got

@@ -31,6 +31,14 @@ class End:
     remote_socket: Any = None
     #: This end's ``ShmTensorArena``, if any.
     arena: Any = None
+    #: A queue without a tensor arena: its own region for messages too big for a ring chunk.
+    blob_region: Any = None
+
+    @property
+    def blob_arena(self) -> Any:
+        """Where a message too big for a ring chunk is packed (the ring's blob markers point
+        there): the tensor arena, or the queue's blob region; None: the local socket."""
+        return self.arena if self.arena is not None else self.blob_region
 
     def __init__(self) -> None:
         self.lifecycle = Lifecycle(self)

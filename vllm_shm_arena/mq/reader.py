@@ -330,12 +330,6 @@ class LocalReaderEnd(_ReaderEnd):
     def local_socket(self, sock) -> None:
         self.socket.sock = sock
 
-    @property
-    def blob_arena(self) -> ShmTensorArena | None:
-        """Where the ring's blob markers point: the tensor arena, or the queue's blob
-        region."""
-        return self.arena if self.arena is not None else self.blob_region
-
     # ------------------------------------------------------------------ the ring watch
     def writer_is_dead(self) -> bool:
         """The writer's liveness token in the ring is free (positive evidence; a probe the

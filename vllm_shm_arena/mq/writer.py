@@ -93,9 +93,7 @@ def _create_blob_region(n_readers: int, ring) -> ShmTensorArena | None:
         return None
     why = ""
     try:
-        space = sizing.measure(ring.dir, os.path.join(ring.dir, ring.name))
-        room = int(space.room * settings.free_fraction())  # beside the rest of the ring
-        size = min(_BLOB_REGION_BYTES, room) // (2 << 20) * (2 << 20)
+        size = sizing.region_share(_BLOB_REGION_BYTES, ring.dir, os.path.join(ring.dir, ring.name))
         if size >= _BLOB_REGION_MIN:
             return ShmTensorArena.create(
                 n_readers,
@@ -104,7 +102,7 @@ def _create_blob_region(n_readers: int, ring) -> ShmTensorArena | None:
                 max_allocations=_BLOB_REGION_ALLOCATIONS,
                 shm_dir=ring.dir,
             )
-        why = f"{room >> 20} MiB of {ring.dir} may be taken, under {_BLOB_REGION_MIN >> 20} MiB"
+        why = f"{size >> 20} MiB of {ring.dir} may be taken, under {_BLOB_REGION_MIN >> 20} MiB"
     except Exception as e:  # noqa: BLE001  (any failure here only means: no region)
         why = f"{type(e).__name__}: {e}"
     logger.warning(
@@ -353,12 +351,6 @@ class WriterEnd(End):
     def _arenas(self) -> list[ShmTensorArena]:
         """The tensor arena and the blob region (at most one of them exists)."""
         return [a for a in (self.arena, self.blob_region) if a is not None]
-
-    @property
-    def blob_arena(self) -> ShmTensorArena | None:
-        """Where a message too big for a ring chunk is packed: the tensor arena, or the
-        queue's own blob region; None: the local socket."""
-        return self.arena if self.arena is not None else self.blob_region
 
     # ------------------------------------------------------------------ sending
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
