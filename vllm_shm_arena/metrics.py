@@ -4,6 +4,8 @@ Writer (engine-core process), from ``ShmTensorArena.stats()`` of the writer:
 
 * ``vllm:shm_arena_hits_total``: tensors written into the arena (one copy for all readers);
 * ``vllm:shm_arena_bytes_total``: their bytes;
+* ``vllm:shm_arena_forwarded_total``: tensors sent to the workers by reference instead, from
+  the frontend arena the engine core holds them in (forwarding; not in the hits);
 * ``vllm:shm_arena_declined_total{reason}``: tensors the arena turned down, which took the
   out-of-band path instead; ``reason`` is one of ``DECLINE_REASONS`` (``too_small``,
   ``no_free_slot``, ``no_space``...: the core's names, read from the extension);
@@ -86,6 +88,11 @@ class _Metrics:
         )
         self.bytes = self._make(
             prom.Counter, "bytes", "Bytes of tensors written into the shm tensor arena"
+        )
+        self.forwarded = self._make(
+            prom.Counter,
+            "forwarded",
+            "Tensors sent to the workers by reference from the frontend arena (no copy)",
         )
         self.declined = self._make(
             prom.Counter,
@@ -219,6 +226,7 @@ def record_writer_stats(stats: Mapping[str, Any], key: str = "writer") -> None:
         incs = {
             "hits": _increase(key, "hits", stats.get("hits")),
             "bytes": _increase(key, "bytes", stats.get("bytes")),
+            "forwarded": _increase(key, "forwarded", stats.get("forwarded")),
             "reclaimed": _increase(key, "reclaimed", stats.get("reclaimed")),
             "dead_readers": _increase(key, "dead_readers", stats.get("dead_readers")),
         }
@@ -228,6 +236,8 @@ def record_writer_stats(stats: Mapping[str, Any], key: str = "writer") -> None:
         m.hits.inc(incs["hits"])
     if incs["bytes"]:
         m.bytes.inc(incs["bytes"])
+    if incs["forwarded"]:
+        m.forwarded.inc(incs["forwarded"])
     if incs["reclaimed"]:
         m.reclaimed.inc(incs["reclaimed"])
     if incs["dead_readers"]:

@@ -120,12 +120,13 @@ class _Pools:
     __slots__ = ("_reducers", "_picklers", "__weakref__")
 
     def __init__(self) -> None:
-        self._reducers: list = []  # idle (C reducer, diverted list, min_bytes)
+        self._reducers: list = []  # idle (C reducer, diverted list, min_bytes, forwarded list)
         self._picklers: list = []  # idle (pickler, BytesIO, buffers)
 
     def take_reducer(self, arena: ShmTensorArena, min_bytes: int | None = None):
-        """A (C-level reducer_override, diverted list, min_bytes) for one dump (threshold:
-        the layout's ``min_bytes`` unless given). Only default-threshold ones are pooled."""
+        """A (C-level reducer_override, diverted list, min_bytes, forwarded list) for one dump
+        (threshold: the layout's ``min_bytes`` unless given). Only default-threshold ones are
+        pooled."""
         if min_bytes is None:
             min_bytes = arena.min_bytes
         if min_bytes == arena.min_bytes:
@@ -135,9 +136,11 @@ class _Pools:
                 pass
             else:
                 entry[1].clear()
+                entry[3].clear()
                 return entry
         diverted: list = []
-        return (arena.new_reducer(min_bytes, diverted), diverted, min_bytes)
+        forwarded: list = []
+        return (arena.new_reducer(min_bytes, diverted, forwarded), diverted, min_bytes, forwarded)
 
     def give_back_reducer(self, arena: ShmTensorArena, entry) -> None:
         if entry[2] == arena.min_bytes and len(self._reducers) < _POOL_SIZE:
@@ -182,8 +185,10 @@ class _ArenaPickler(pickle.Pickler):
     at full speed. tests/python/reducer_oracle.py writes the same decision out in Python, as
     the oracle the C one is checked against.
 
-    Slots used during a ``dump`` are listed in ``diverted``; if the dump fails, give them
-    back with ``arena.give_back_unsent(pickler.diverted)`` (``dumps`` does).
+    Slots used during a ``dump`` are listed in ``diverted``, forwards (the arena's
+    ``forward_from``) in ``forwarded``; if the dump fails, give them back with
+    ``arena.give_back_unsent(pickler.diverted)`` and ``arena.take_back_forwards(
+    pickler.forwarded)`` (``dump_message`` does).
     """
 
     dispatch_table = _dispatch_table()
@@ -194,7 +199,7 @@ class _ArenaPickler(pickle.Pickler):
         self.min_bytes = arena.min_bytes if min_bytes is None else min_bytes
         # An instance attribute: pickle looks it up at __init__.
         self._cached = _pools(arena).take_reducer(arena, min_bytes)
-        self.reducer_override, self.diverted, _ = self._cached
+        self.reducer_override, self.diverted, _, self.forwarded = self._cached
         super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)
 
     def release(self) -> None:
@@ -206,22 +211,39 @@ class _ArenaPickler(pickle.Pickler):
 
 
 class Dumped:
-    """A pickled message: the stream, its out-of-band buffers, and the arena slots it uses."""
+    """A pickled message: the stream, its out-of-band buffers, the arena slots it uses, and
+    the allocations of the arena's ``forward_from`` reader it forwards."""
 
-    __slots__ = ("data", "buffers", "diverted")
+    __slots__ = ("data", "buffers", "diverted", "forwarded")
 
-    def __init__(self, data: bytes, buffers: list, diverted: list[tuple[int, int]]):
+    def __init__(
+        self,
+        data: bytes,
+        buffers: list,
+        diverted: list[tuple[int, int]],
+        forwarded: list[tuple[int, int]] | None = None,
+    ):
         self.data = data
         self.buffers = buffers
         self.diverted = diverted
+        self.forwarded = forwarded if forwarded is not None else []
 
 
-def dump_message(obj: Any, arena: ShmTensorArena | None = None, into: list | None = None) -> Dumped:
-    """Pickles ``obj``; with an arena, large tensors go into it. Commit after dump: if
-    pickling fails part-way, every slot it had taken goes back to the arena. ``into``: the
-    caller's list, which gets the slots taken before this returns (inside the part whose
-    failure gives them back), so that an exception raised as this returns (a signal
-    handler's) leaves the caller knowing them; giving one back twice is harmless."""
+def dump_message(
+    obj: Any,
+    arena: ShmTensorArena | None = None,
+    into: list | None = None,
+    forwarded_into: list | None = None,
+) -> Dumped:
+    """Pickles ``obj``; with an arena, large tensors go into it (or are forwarded: the
+    arena's ``forward_from``). Commit after dump: if pickling fails part-way, every slot it
+    had taken goes back to the arena and every forward is taken back. ``into`` and
+    ``forwarded_into``: the caller's lists, which get the slots taken and the forwards before
+    this returns (inside the part whose failure gives them back), so that an exception raised
+    as this returns (a signal handler's) leaves the caller knowing them. Giving a slot back
+    twice is harmless; a forward is taken back once, from whichever list holds it (moved to
+    ``forwarded_into`` in one C call, and ``take_back_forwards`` empties the list it takes
+    back from)."""
     buffers: list = []
     f = io.BytesIO()
     if arena is None:
@@ -240,15 +262,19 @@ def dump_message(obj: Any, arena: ShmTensorArena | None = None, into: list | Non
         p.dump(obj)
         if into is not None:
             into.extend(p.diverted)
-        out = Dumped(bio.getvalue(), list(bufs), list(p.diverted))
+        out = Dumped(bio.getvalue(), list(bufs), list(p.diverted), list(p.forwarded))
+        if forwarded_into is not None:
+            _C.move_items(p.forwarded, forwarded_into)  # the caller's to take back from now
     except BaseException:
         arena.give_back_unsent(p.diverted)
+        arena.take_back_forwards(p.forwarded)  # those not handed to the caller
         p.release()  # a pickler that raised mid-dump is not reused
         raise
     bio.seek(0)
     bio.truncate()
     bufs.clear()
     p.diverted.clear()
+    p.forwarded.clear()
     p.clear_memo()
     pools.give_back_pickler(cached)
     return out

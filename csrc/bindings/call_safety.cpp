@@ -455,6 +455,16 @@ void call_append(const py::object& fn, const py::tuple& args, const py::object& 
   append(fn(*args));
 }
 
+/// Moves every item of the list `src` to the end of the list `dst` (src left empty).
+void move_items(const py::list& src, const py::list& dst) {
+  const Py_ssize_t n = PyList_GET_SIZE(src.ptr());
+  if (PyList_SetSlice(dst.ptr(), PyList_GET_SIZE(dst.ptr()), PyList_GET_SIZE(dst.ptr()),
+                      src.ptr()) != 0 ||
+      PyList_SetSlice(src.ptr(), 0, n, nullptr) != 0) {
+    throw py::error_already_set();
+  }
+}
+
 }  // namespace
 
 void bind_call_safety(py::module_& m) {
@@ -499,6 +509,8 @@ void bind_call_safety(py::module_& m) {
   m.def("call_store", &call_store, py::arg("container"), py::arg("key"), py::arg("fn"),
         py::arg("args"));
   m.def("call_append", &call_append, py::arg("fn"), py::arg("args"), py::arg("sink"));
+  // Every item of list `src` moved to the end of list `dst`, in one call.
+  m.def("move_items", &move_items, py::arg("src"), py::arg("dst"));
   // fn(*args) with target.name = value, the previous value restored in C.
   m.def("call_with", &call_with, py::arg("target"), py::arg("name"), py::arg("value"),
         py::arg("fn"), py::arg("args"));

@@ -14,6 +14,7 @@
 //   _C.call_store,     fn(*args) stored into the caller's container (or appended to it) in
 //   _C.call_append     the call that made it
 //   _C.call_with       fn(*args) with an attribute set, restored in C
+//   _C.move_items      a list's items moved to another list (a record handed over whole)
 //   _C.nogil_gate_*    the exit hook's side of NoGilGate (bindings/gil.h)
 #pragma once
 
@@ -22,7 +23,7 @@
 namespace vllm_shm_arena {
 
 /// Defines CallLock, call_locked, SendHold, send_frames, recv_frames, call_store, call_append,
-/// call_with and the nogil_gate_* functions on `m`.
+/// call_with, move_items and the nogil_gate_* functions on `m`.
 void bind_call_safety(pybind11::module_& m);
 
 }  // namespace vllm_shm_arena

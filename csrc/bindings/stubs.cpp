@@ -151,7 +151,44 @@ struct ReducerState {
   uint64_t dump_copied = 0;
   std::array<py::object, static_cast<size_t>(at::ScalarType::NumOptions)> dtype_names;
   uint64_t min_bytes = 0;
+  // Forwarding (a counted arena's reader 0 in this process, or none): a tensor lying in one of
+  // its holds goes as a forward stub, counted with forward(), instead of being copied, while
+  // every one of ranks 1..fwd_ranks is attached. `forwarded` gets (slot, generation) per
+  // forward, like `diverted`.
+  std::shared_ptr<TensorArenaReader> fwd;
+  uint32_t fwd_ranks = 0;
+  py::object fwd_name, rebuild_forwarded, forwarded;
 };
+
+// Whether every rank 1..fwd_ranks of the forwarding arena is attached now (a rank that is
+// not could not resolve a forward stub; a dead one owes nothing and is never sent one).
+bool forward_targets_attached(const ReducerState& st) {
+  for (uint32_t r = 1; r <= st.fwd_ranks; ++r) {
+    if (st.fwd->core().reader_state(r) != ReaderState::kAttached) return false;
+  }
+  return true;
+}
+
+// `t` (contiguous, CPU, a stub dtype) as a forward stub when it lies in one of the forwarding
+// reader's holds and every target is attached: the (rebuild, args) tuple, counted with one
+// forward and listed in `forwarded`; nullptr with no error set when it does not apply.
+PyObject* forward_stub(ReducerState* st, const at::Tensor& t, const py::object& dtype_name) {
+  auto hold = st->fwd->find_hold(t);
+  if (!hold || !forward_targets_attached(*st)) return nullptr;
+  auto [slot, gen, offset, alloc_bytes] = *hold;
+  (void)alloc_bytes;
+  st->fwd->forward(slot, gen);
+  py::tuple key = py::make_tuple(slot, gen);
+  if (PyList_Append(st->forwarded.ptr(), key.ptr()) != 0) {
+    st->fwd->unforward(slot, gen);
+    throw py::error_already_set();
+  }
+  py::tuple shape(t.dim());
+  for (int64_t i = 0; i < t.dim(); ++i) shape[i] = py::int_(t.size(i));
+  py::tuple args =
+      py::make_tuple(st->fwd_name, slot, gen, tensor_nbytes(t), dtype_name, shape, offset);
+  return py::make_tuple(st->rebuild_forwarded, args).release().ptr();
+}
 
 PyObject* reducer_call(PyObject* capsule, PyObject* obj) {
   auto* st = static_cast<ReducerState*>(PyCapsule_GetPointer(capsule, "vsa.reducer"));
@@ -178,6 +215,9 @@ PyObject* reducer_call(PyObject* capsule, PyObject* obj) {
     uint32_t slot;
     uint64_t gen, offset = 0;
     std::optional<std::tuple<uint32_t, uint64_t, uint64_t>> loan;
+    if (st->fwd && dtype_name && tp == st->tensor_type.ptr() && t.is_contiguous()) {
+      if (PyObject* stub = forward_stub(st, t, dtype_name)) return stub;
+    }
     if (dtype_name && t.is_contiguous()) loan = st->writer->send_loan(t);
     if (loan) {
       std::tie(slot, gen, offset) = *loan;
@@ -235,8 +275,20 @@ PyMethodDef kReducerDef = {"reducer_override", reducer_call, METH_O,
 
 py::object make_reducer(std::shared_ptr<TensorArenaWriter> writer, py::object tensor_type,
                         py::object param_type, py::object rebuild_tensor, py::object rebuild_param,
-                        py::dict dtype_names, uint64_t min_bytes, py::list diverted) {
+                        py::dict dtype_names, uint64_t min_bytes, py::list diverted,
+                        py::object forward) {
   auto st = std::make_unique<ReducerState>();
+  if (!forward.is_none()) {
+    auto [reader, ranks, name, rebuild, forwarded] =
+        forward.cast<std::tuple<std::shared_ptr<TensorArenaReader>, uint32_t, py::object,
+                                py::object, py::list>>();
+    if (!reader) throw InvalidArgument("make_reducer: forward names no reader");
+    st->fwd = std::move(reader);
+    st->fwd_ranks = ranks;
+    st->fwd_name = std::move(name);
+    st->rebuild_forwarded = std::move(rebuild);
+    st->forwarded = std::move(forwarded);
+  }
   st->writer = std::move(writer);
   st->tensor_type = tensor_type;
   st->param_type = param_type;

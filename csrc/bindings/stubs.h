@@ -25,10 +25,14 @@ at::Tensor rebuild_stub(TensorArenaReader& reader, pybind11::handle slot_idx,
 
 /// A C-level reducer_override for one writer's pickler (see vllm_shm_arena/pickler.py for the
 /// Python reference it mirrors); `diverted` collects (slot, generation) per diverted tensor.
+/// `forward`: None, or (reader, ranks, arena name, rebuild, forwarded): a tensor lying in one
+/// of `reader`'s holds (reader 0 of a counted arena) goes as a forward stub, rebuilt by
+/// `rebuild(name, slot, generation, nbytes, dtype, shape, offset)`, counted with one forward
+/// and listed in `forwarded`, while ranks 1..`ranks` of that arena are all attached.
 pybind11::object make_reducer(std::shared_ptr<TensorArenaWriter> writer,
                               pybind11::object tensor_type, pybind11::object param_type,
                               pybind11::object rebuild_tensor, pybind11::object rebuild_param,
                               pybind11::dict dtype_names, uint64_t min_bytes,
-                              pybind11::list diverted);
+                              pybind11::list diverted, pybind11::object forward);
 
 }  // namespace vllm_shm_arena

@@ -39,6 +39,12 @@ inline std::optional<DeclineReason> arena_unsuitable(const at::Tensor& t) {
   return std::nullopt;
 }
 
+/// A reader state's name: "never_attached", "attached", "detached" or "dead".
+inline const char* reader_state_name(ReaderState s) {
+  static constexpr const char* kStates[] = {"never_attached", "attached", "detached", "dead"};
+  return kStates[static_cast<uint32_t>(s) & 3];
+}
+
 inline uint64_t tensor_nbytes(const at::Tensor& t) {
   return static_cast<uint64_t>(t.numel()) * static_cast<uint64_t>(t.element_size());
 }
@@ -180,11 +186,9 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
     return d;
   }
 
-  static constexpr const char* kStates[] = {"never_attached", "attached", "detached", "dead"};
-
   /// Reader `rank`'s state: "never_attached", "attached", "detached" or "dead".
   std::string reader_state(uint32_t rank) const {
-    return kStates[static_cast<uint32_t>(writer_->reader_state(rank)) & 3];
+    return reader_state_name(writer_->reader_state(rank));
   }
 
   py::list holdings() const {
@@ -192,7 +196,7 @@ class TensorArenaWriter : public std::enable_shared_from_this<TensorArenaWriter>
     for (const ReaderHolding& h : writer_->holdings()) {
       py::dict d;
       d["rank"] = h.rank;
-      d["state"] = kStates[static_cast<uint32_t>(h.state) & 3];
+      d["state"] = reader_state_name(h.state);
       d["slots_held"] = h.slots_held;
       d["owed"] = h.owed;
       d["oldest_age_s"] = h.oldest_age_seconds;
@@ -328,6 +332,20 @@ class TensorArenaReader {
   /// Counted arenas, reader 0: one more (or one fewer) forward of a held allocation.
   void forward(uint32_t slot, uint64_t generation) { core().forward(slot, generation); }
   void unforward(uint32_t slot, uint64_t generation) { core().unforward(slot, generation); }
+  /// Takes back every forward `forwarded` lists ((slot, generation) pairs), removing each from
+  /// the list as it is taken back: the list stays the record of what is still counted, so a
+  /// second call takes back nothing twice. All in one C call (no signal handler between).
+  void unforward_all(const py::list& forwarded) {
+    while (PyList_GET_SIZE(forwarded.ptr()) > 0) {
+      const Py_ssize_t last = PyList_GET_SIZE(forwarded.ptr()) - 1;
+      auto [slot, generation] =
+          py::cast<std::pair<uint32_t, uint64_t>>(PyList_GET_ITEM(forwarded.ptr(), last));
+      if (PyList_SetSlice(forwarded.ptr(), last, last + 1, nullptr) != 0) {
+        throw py::error_already_set();
+      }
+      core().unforward(slot, generation);
+    }
+  }
 
   /// The held allocation `t`'s bytes lie in -> (slot, generation, offset, nbytes), or None.
   std::optional<std::tuple<uint32_t, uint64_t, uint64_t, uint64_t>> find_hold(
@@ -340,6 +358,10 @@ class TensorArenaReader {
     return std::make_tuple(h->slot, h->generation, h->offset, h->nbytes);
   }
   bool counted() const { return reader().counted(); }
+  /// Reader `rank`'s state, as the writer sees it (see TensorArenaWriter::reader_state).
+  std::string reader_state(uint32_t rank) const {
+    return reader_state_name(reader().reader_state(rank));
+  }
 
   py::dict stats() const {
     const ReaderHoldsStats s = holds_->stats();

@@ -847,15 +847,26 @@ WriterStats ArenaWriter::stats() const {
   return s;
 }
 
-ReaderState ArenaWriter::reader_state(uint32_t rank) const {
-  if (rank >= geo_.n_readers) {
+namespace {
+// Reader `rank`'s state in the arena at `base` (OutOfRange past n_readers).
+ReaderState load_reader_state(uint8_t* base, const ArenaGeometry& geo, uint32_t rank) {
+  if (rank >= geo.n_readers) {
     throw OutOfRange("reader rank " + std::to_string(rank) + " out of range [0, " +
-                     std::to_string(geo_.n_readers) + ")");
+                     std::to_string(geo.n_readers) + ")");
   }
   // SYNC POINT: acquire; pairs with the release stores of the state in ArenaReader::attach()
   // and detach(): a caller that sees ATTACHED sees the attach's stores before it.
   return static_cast<ReaderState>(
-      reader_entry(region_->data(), geo_, rank)->state.load(std::memory_order_acquire) & 3u);
+      reader_entry(base, geo, rank)->state.load(std::memory_order_acquire) & 3u);
+}
+}  // namespace
+
+ReaderState ArenaWriter::reader_state(uint32_t rank) const {
+  return load_reader_state(region_->data(), geo_, rank);
+}
+
+ReaderState ArenaReader::reader_state(uint32_t rank) const {
+  return load_reader_state(region_->data(), geo_, rank);
 }
 
 std::vector<ReaderHolding> ArenaWriter::holdings() const {

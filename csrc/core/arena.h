@@ -332,6 +332,9 @@ class ArenaReader {
   std::optional<HoldRef> find_hold(const void* p, uint64_t n) const;
   /// The generation currently published in `slot` (0 if none).
   uint64_t published_generation(uint32_t slot) const;
+  /// Reader `rank`'s state now, as the writer's reader_state sees it (OutOfRange past
+  /// n_readers): reader 0 of a counted arena forwards only to ranks that are attached.
+  ReaderState reader_state(uint32_t rank) const;
   /// Marks this rank detached: the writer stops waiting for it. Called by the destructor. A
   /// no-op in a forked child.
   void detach();

@@ -644,3 +644,21 @@ TEST_CASE("counted arena: a view that counts no stub needs a hold that counted o
   r0->release(a.slot, a.generation);  // three views, one stub: acked 1 == sent 1
   CHECK(freed(*w));
 }
+
+TEST_CASE("counted arena: reader 0 sees the other ranks' states as the writer does",
+          "[arena][counted]") {
+  // Reader 0 forwards only while every worker rank is attached (the queue's reducer asks it).
+  auto w = ArenaWriter::create(counted_config(3));
+  auto r0 = ArenaReader::attach(w->name(), 0);
+  CHECK(r0->reader_state(1) == ReaderState::kNeverAttached);
+  auto r1 = ArenaReader::attach(w->name(), 1);
+  CHECK(r0->reader_state(1) == ReaderState::kAttached);
+  CHECK(r0->reader_state(2) == ReaderState::kNeverAttached);
+  r1->detach();
+  CHECK(r0->reader_state(1) == ReaderState::kDetached);
+  for (uint32_t rank = 0; rank < 3; ++rank) {
+    CHECK(r0->reader_state(rank) == w->reader_state(rank));
+  }
+  CHECK_THROWS_AS(r0->reader_state(3), OutOfRange);
+  w->unlink();
+}

@@ -109,6 +109,12 @@ def test_cumulative_stats_become_increments():
     # A MessageQueue.stats() dict (arena nested) is accepted as well.
     metrics.record_writer_stats({"messages": 9, "arena": {"hits": 2}}, key="c")
     assert _value("vllm:shm_arena_hits_total") - before == 14
+    # Forwards (a queue that forwards from a frontend arena) count on their own.
+    fwd = _value("vllm:shm_arena_forwarded_total")
+    metrics.record_writer_stats({"hits": 2, "forwarded": 5}, key="c")
+    metrics.record_writer_stats({"hits": 2, "forwarded": 8}, key="c")
+    assert _value("vllm:shm_arena_forwarded_total") - fwd == 8
+    assert _value("vllm:shm_arena_hits_total") - before == 14
 
 
 def test_reader_gauges_take_the_latest_value():

@@ -213,3 +213,61 @@ def test_a_message_that_does_not_go_has_its_sends_taken_back():
 
     plain = SimpleNamespace(encoder=object())  # vLLM's own encoder: nothing to take back
     assert vllm_frontend._unsend_on_failure(lambda self, t, r: "ok")(plain, 0, None) == "ok"
+
+
+class _Built(Exception):
+    """Raised by the stand-in executor with what it saw (ends EngineCore.__init__ there)."""
+
+
+def _engine_core_builds_its_executor(raw_handle, installed_by, conn):
+    import os
+
+    os.environ["VLLM_SHM_ARENA_FRONTEND_HANDLE"] = raw_handle
+    import vllm.plugins
+    import vllm.v1.engine.core as engine_core
+
+    from vllm_shm_arena import MessageQueue
+    from vllm_shm_arena import arena as arena_mod
+
+    if installed_by == "plugin loading":  # a spawned engine core: EngineCore.__init__ loads us
+        vllm.plugins.load_general_plugins = vllm_frontend.install
+    else:
+        vllm_frontend.install()
+
+    class Executor:  # builds the broadcast queue, as vLLM's MultiprocExecutor does
+        def __init__(self, vllm_config):
+            source = vllm_frontend._provider.reader if vllm_frontend._provider else None
+            q = MessageQueue(2, 2, enable_shm_tensor_arena=True)
+            forwards = q.export_handle().frontend_arena_handle is not None
+            took = q._end.arena.forwards_from is source and source is not None
+            q.shutdown()
+            raise _Built((forwards, took, arena_mod.take_forward_source() is None))
+
+    config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_rank_local=0))
+    try:
+        engine_core.EngineCore(config, Executor, False)
+        conn.send("built without the stand-in executor")
+    except _Built as e:
+        conn.send(e.args[0])
+    except BaseException as e:
+        conn.send(f"{type(e).__name__}: {e}")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("installed_by", ["the API server's fork", "plugin loading"])
+def test_the_engine_core_attaches_before_its_executor_so_its_queue_forwards(installed_by):
+    pytest.importorskip("vllm.v1.engine.core")
+    w = frontend.FrontendWriter(2, 32 * MiB)
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    raw = frontend.handle_to_env(w.handle())
+    p = ctx.Process(target=_engine_core_builds_its_executor, args=(raw, installed_by, b))
+    p.start()
+    try:
+        assert a.poll(120)
+        # The queue named the frontend arena and forwards from the engine core's reader 0,
+        # which it took (no later queue forwards too).
+        assert a.recv() == (True, True, True)
+    finally:
+        p.join(60)
+        w.arena.close()

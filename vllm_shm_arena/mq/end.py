@@ -72,11 +72,15 @@ class End:
         """The once-a-second report (see ``Reporter.maybe_report``); nothing by default."""
 
     def stats(self) -> dict:
-        """The counters, the role, and the arena's stats when there is one."""
+        """The counters, the role, and the arena's stats when there is one (a local reader's
+        rank of the frontend arena too: ``frontend``)."""
         out = dict(self.counters)
         out["role"] = self.ROLE
         if self.arena is not None:
             out["arena"] = self.arena.stats()
+        frontend = getattr(self, "frontend", None)
+        if frontend is not None:
+            out["frontend"] = frontend.stats()
         return out
 
     # ------------------------------------------------------------------ ending

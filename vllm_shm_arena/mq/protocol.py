@@ -5,7 +5,10 @@ gone.
 
 A message is a list of frames::
 
-    frame 0   the arena slots it references, (slot, generation) pairs as <Q (see below)
+    frame 0   the arena slots it references, (slot, generation) pairs as <Q (see below);
+              with forwards (allocations of the frontend arena its stubs name, engine core
+              to workers only, never on the remote socket), those pairs follow, then their
+              count (<Q): a frame of 8 mod 16 bytes (``diverted_header``)
     frame 1   the pickle stream
     frame 2.. its out-of-band buffers (tensor bytes the arena declined)
     then      on the remote socket only: the bytes of each arena allocation frame 0 names, in
@@ -139,6 +142,9 @@ class Handle:
     #: (``BLOB_FLAGS`` markers), for its node-local readers. None with a tensor arena (which
     #: holds the blobs then) or without either.
     blob_arena_handle: ArenaHandle | None = None
+    #: The frontend arena whose allocations messages may forward (``WriterEnd._forward_from``):
+    #: local reader ``i`` attaches it as rank ``1 + i``. None: no forwards.
+    frontend_arena_handle: ArenaHandle | None = None
 
 
 class WriterDiedError(RuntimeError):
@@ -343,22 +349,50 @@ def writer_died(what: str) -> WriterDiedError:
     )
 
 
-def diverted_header(diverted: list[tuple[int, int]]) -> bytes:
+def diverted_header(
+    diverted: list[tuple[int, int]], forwarded: list[tuple[int, int]] | tuple = ()
+) -> bytes:
     """Frame 0 of every message: the arena slots it references (released by a reader that
-    fails to unpickle it)."""
-    if not diverted:
-        return b""
+    fails to unpickle it), as (slot, generation) pairs of <Q. With forwards (allocations of
+    the frontend arena the stubs name, ``ShmTensorArenaWriter.forward_from``): the diverted
+    pairs, the forwarded pairs, then their count (<Q), so that its length is 8 mod 16 and a
+    frame without forwards reads as before."""
     flat = [x for pair in diverted for x in pair]
+    if forwarded:
+        flat += [x for pair in forwarded for x in pair]
+        flat.append(len(forwarded))
+    if not flat:
+        return b""
     return struct.pack(f"<{len(flat)}Q", *flat)
 
 
-def parse_diverted(frame) -> list[tuple[int, int]]:
-    """The slots ``diverted_header`` wrote; ``[]`` for a frame of the wrong length."""
+def parse_header(frame) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """-> (diverted, forwarded), the pairs ``diverted_header`` wrote; ``([], [])`` for a frame
+    whose length or forward count does not fit."""
     mv = memoryview(frame).cast("B")
-    if len(mv) % 16:
-        return []
-    flat = struct.unpack(f"<{len(mv) // 8}Q", mv)
-    return list(zip(flat[0::2], flat[1::2], strict=True))
+    n = len(mv) // 8
+    if len(mv) % 8:
+        return [], []
+    flat = struct.unpack(f"<{n}Q", mv)
+    n_fwd = 0
+    if n % 2:  # forwards: a count closes the frame
+        n_fwd = flat[-1]
+        if n_fwd == 0 or 2 * n_fwd > n - 1:
+            return [], []
+        flat = flat[:-1]
+    pairs = list(zip(flat[0::2], flat[1::2], strict=True))
+    cut = len(pairs) - n_fwd
+    return pairs[:cut], pairs[cut:]
+
+
+def parse_diverted(frame) -> list[tuple[int, int]]:
+    """The slots ``diverted_header`` wrote (without its forwards); ``[]`` for a frame that
+    does not parse."""
+    mv = memoryview(frame).cast("B")
+    if len(mv) % 16 == 0:  # no forwards: the common case, without the general parse
+        flat = struct.unpack(f"<{len(mv) // 8}Q", mv)
+        return list(zip(flat[0::2], flat[1::2], strict=True))
+    return parse_header(mv)[0]
 
 
 class ShutDownByWriter(RuntimeError):

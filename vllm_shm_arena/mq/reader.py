@@ -38,7 +38,12 @@ from typing import Any
 
 from vllm_shm_arena import settings
 from vllm_shm_arena._ext import _C
-from vllm_shm_arena.arena import FrameStubs, ShmTensorArena, call_resolving_stubs
+from vllm_shm_arena.arena import (
+    FrameStubs,
+    ShmTensorArena,
+    call_resolving_forwards,
+    call_resolving_stubs,
+)
 from vllm_shm_arena.mq.end import End
 from vllm_shm_arena.mq.lifecycle import WAIT_SLICE_S
 from vllm_shm_arena.mq.protocol import (
@@ -52,6 +57,7 @@ from vllm_shm_arena.mq.protocol import (
     ShutDownByWriter,
     StreamEnd,
     parse_diverted,
+    parse_header,
     writer_died,
 )
 from vllm_shm_arena.mq.transport import ReaderSocket
@@ -105,9 +111,11 @@ def _from_signal_handler(exc: BaseException) -> bool:
     return False
 
 
-def unpickle(frames: list, arena: ShmTensorArena | None) -> Any:
+def unpickle(frames: list, arena: ShmTensorArena | None, frontend=None) -> Any:
     """The object of a message's ``frames`` (see protocol.py); stubs resolve to ``arena``,
-    this reader's."""
+    this reader's, and forward stubs to ``frontend``, its rank of the frontend arena."""
+    if frontend is not None:
+        return call_resolving_forwards(frontend, unpickle, frames, arena)
     if arena is None:
         return loads(frames[1], frames[2:])
     # This rank's reader, not whichever rank of the arena attached last here.
@@ -117,6 +125,10 @@ def unpickle(frames: list, arena: ShmTensorArena | None) -> Any:
 class _ReaderEnd(End):
     """What both readers share: ``dequeue`` under the call lock over the ``inbox`` (module
     docstring), a terminal error once the stream cannot go on, ``last_dequeue_s``."""
+
+    #: This reader's rank of the frontend arena (``Handle.frontend_arena_handle``), whose
+    #: allocations forward stubs name: a local reader's, when its queue forwards.
+    frontend: ShmTensorArena | None = None
 
     def __init__(self, handle: Handle) -> None:
         super().__init__()
@@ -171,30 +183,59 @@ class _ReaderEnd(End):
     def _decode(self, entry, frames: list, arena, stubs=None) -> None:
         """Unpickles the message at the front of the inbox (``entry``, a dict for a local
         reader, whose ``frames`` are given) and puts ``(_DECODED, obj)`` in its place, in the
-        C call that unpickled it. Its arena slots are held first (``entry["holds"]``), so an
-        unpickling cut short can run again. A message that fails to unpickle is consumed with
-        its error (its held arena slots go back with it); an interruption leaves it for the
-        next call."""
+        C call that unpickled it. Its arena slots are held first (``entry["holds"]``), and
+        the frontend allocations it forwards (``entry["forwards"]``, one hold per pair, each
+        appended in the C call that took it), so an unpickling cut short can run again. A
+        message that fails to unpickle is consumed with its error (its held arena slots go
+        back with it, and each forward not yet held is acked); an interruption leaves it for
+        the next call."""
         inbox = self.inbox
+        head = frames[0]
         try:
-            if arena is not None and len(frames[0]) and "holds" not in entry:
-                pairs = parse_diverted(frames[0])
+            if arena is not None and len(head) and "holds" not in entry:
+                pairs = parse_diverted(head)
                 _C.call_store(entry, "holds", arena.hold_slots, (pairs,))
-            _C.call_store(inbox, 0, _decoded, (frames, arena if stubs is None else stubs))
+            if len(head) % 16:  # forwards (protocol.diverted_header)
+                self._hold_forwards(entry, head)
+            stub_arena = arena if stubs is None else stubs
+            _C.call_store(inbox, 0, _decoded, (frames, stub_arena, self.frontend))
         except BaseException as e:
             if not _from_signal_handler(e) and inbox and inbox[0] is entry:
                 inbox.popleft()
-                if arena is not None and len(frames[0]):
-                    for slot, gen in parse_diverted(frames[0]):
+                if arena is not None and len(head):
+                    for slot, gen in parse_diverted(head):
                         arena.release_unacquired(slot, gen)
+                if len(head) % 16 and self.frontend is not None:
+                    held = len(entry.get("forwards", ())) if type(entry) is dict else 0
+                    for slot, gen in parse_header(head)[1][held:]:
+                        self.frontend.release_unacquired(slot, gen)  # acks it
             raise
+
+    def _hold_forwards(self, entry, head) -> None:
+        """Holds, one pair at a time, the frontend allocations frame 0 ``head`` forwards
+        (``entry["forwards"]``), going on from where an interrupted call stopped."""
+        forwarded = parse_header(head)[1]
+        if self.frontend is None or type(entry) is not dict:
+            raise RuntimeError(
+                f"MessageQueue: a message forwards {len(forwarded)} tensor(s) of a frontend "
+                "arena this reader has not attached (only a local reader of a queue whose "
+                "handle names one can resolve them)"
+            )
+        if not forwarded:
+            raise RuntimeError("MessageQueue: a message's frame 0 is malformed (forwards)")
+        held = entry.get("forwards")
+        if held is None:
+            entry["forwards"] = held = []
+        hold = self.frontend.hold_slots
+        while len(held) < len(forwarded):
+            _C.call_append(hold, ([forwarded[len(held)]],), held)
 
     def broadcast_object(self, obj: Any = None) -> Any:
         return self.dequeue()
 
 
-def _decoded(frames: list, arena) -> tuple:
-    return (_DECODED, unpickle(frames, arena))
+def _decoded(frames: list, arena, frontend) -> tuple:
+    return (_DECODED, unpickle(frames, arena, frontend))
 
 
 class RemoteReaderEnd(_ReaderEnd):
@@ -271,6 +312,13 @@ class RemoteReaderEnd(_ReaderEnd):
         its out-of-band buffers, what its arena stubs resolve to: ``None`` if it has none)."""
         if not len(frames[0]):
             return frames, None
+        if len(frames[0]) % 16:
+            # Forwards never go on the remote socket (sealed: never seen from this version).
+            raise self._end_stream(
+                RuntimeError(
+                    f"MessageQueue: message {seq} forwards frontend tensors to a remote reader"
+                )
+            )
         pairs = parse_diverted(frames[0])
         k = len(pairs)
         arena = self.handle.tensor_arena_handle
@@ -314,6 +362,7 @@ class LocalReaderEnd(_ReaderEnd):
                 self.arena = ShmTensorArena.attach(handle.tensor_arena_handle, index)
             if handle.blob_arena_handle is not None:
                 self.blob_region = ShmTensorArena.attach(handle.blob_arena_handle, index)
+            self.frontend = self._attach_frontend(handle, index)
             self.ring = _C.MessageRingReader(name, index, shm_dir)
             # Readers copy ring frames out too: leave the others (and the writer) a CPU.
             _C.set_copy_readers(len(handle.local_reader_ranks))
@@ -321,6 +370,26 @@ class LocalReaderEnd(_ReaderEnd):
         except BaseException:
             self.lifecycle.abandon()  # half built: release now
             raise
+
+    @staticmethod
+    def _attach_frontend(handle: Handle, index: int) -> ShmTensorArena | None:
+        """The frontend arena the handle names, attached as rank ``1 + index``; None (with a
+        warning) if it cannot be: the writer then forwards nothing (it forwards only while
+        every worker rank is attached), and tensors come copied, as without it."""
+        fh = getattr(handle, "frontend_arena_handle", None)
+        if fh is None:
+            return None
+        try:
+            return ShmTensorArena.attach(fh, 1 + index)
+        except Exception as e:  # noqa: BLE001  (any failure only means: tensors are copied)
+            logger.warning(
+                "vllm_shm_arena: could not attach the frontend arena as rank %d (%s: %s); "
+                "tensors from vLLM's API server are copied to the workers instead",
+                1 + index,
+                type(e).__name__,
+                e,
+            )
+            return None
 
     @property
     def local_socket(self):
@@ -361,6 +430,9 @@ class LocalReaderEnd(_ReaderEnd):
             if arena.needs_flush:  # something was pinned: releases wait for their events
                 arena.flush_releases()
             self.reporter.maybe_report(self)
+        frontend = self.frontend
+        if frontend is not None and frontend.needs_flush:
+            frontend.flush_releases()
         if not inbox:
             self._wait_ring(deadline, indefinite)
         arrived = time.perf_counter()
@@ -466,3 +538,5 @@ class LocalReaderEnd(_ReaderEnd):
             self.arena.close()
         if self.blob_region is not None:
             self.blob_region.close()
+        if self.frontend is not None:
+            self.frontend.close()

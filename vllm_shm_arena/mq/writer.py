@@ -25,7 +25,7 @@ from typing import Any
 
 from vllm_shm_arena import metrics, settings, sizing
 from vllm_shm_arena._ext import _C
-from vllm_shm_arena.arena import ShmTensorArena
+from vllm_shm_arena.arena import ShmTensorArena, set_forward_source, take_forward_source
 from vllm_shm_arena.mq.end import End
 from vllm_shm_arena.mq.lifecycle import DRAIN_S, WAIT_SLICE_S
 from vllm_shm_arena.mq.protocol import (
@@ -136,6 +136,7 @@ class Sending:
 
     __slots__ = (
         "diverted",
+        "forwarded",
         "frames",
         "remote_frames",
         "seq",
@@ -149,6 +150,9 @@ class Sending:
     def __init__(self) -> None:
         #: Arena slots the pickling took (appended as it takes them: dump_message's ``into``).
         self.diverted: list = []
+        #: Forwards the pickling counted (``ShmTensorArenaWriter.forward_from``), moved here
+        #: whole once the dump succeeded (dump_message's ``forwarded_into``).
+        self.forwarded: list = []
         self.frames: list | None = None  # the message (ring and local socket encoding)
         self.remote_frames: list | None = None  # the remote socket's encoding
         self.seq = 0  # the message's sequence number
@@ -265,6 +269,9 @@ class WriterEnd(End):
         self.blob_max = 0  # largest message packed into an arena blob (0: none)
         #: The sequence number of the last message sent (protocol.py; the first is 1).
         self.seq = 0
+        #: The last enqueue's record, until the next call under the lock checks it was settled
+        #: (``finish_pending``).
+        self.pending: Sending | None = None
         security = "authenticated"
         if self.n_remote_reader > 0:
             security = settings.tcp_security()
@@ -295,6 +302,7 @@ class WriterEnd(End):
                     self.arena, self.arena_size = _create_arena(n_local_reader, self.ring)
             elif n_local_reader > 0:
                 self.blob_region = _create_blob_region(n_local_reader, self.ring)
+            frontend = self._forward_from(take_forward_source())
             if self.blob_region is not None:
                 # A region of its own: any message up to half of it (two fit at once; when it
                 # is full, a message goes over the socket).
@@ -320,7 +328,23 @@ class WriterEnd(End):
             remote_addr_ipv6=self.sockets.remote_ipv6,
             tensor_arena_handle=self.arena.handle() if self.arena else None,
             blob_arena_handle=self.blob_region.handle() if self.blob_region else None,
+            frontend_arena_handle=frontend.handle() if frontend is not None else None,
         )
+
+    def _forward_from(self, source) -> ShmTensorArena | None:
+        """Tensors this process holds from a frontend arena (``arena.set_forward_source``: the
+        engine core's rank 0) go to this queue's readers as forward stubs, never copied, when
+        the queue has an arena, no remote readers, and exactly that arena's other ranks as its
+        local readers (vLLM's broadcast queue: one per worker); -> the frontend arena, or None
+        (every tensor goes as before, and the source stays for the next queue)."""
+        if source is None:
+            return None
+        ranks = source.handle().n_readers - 1
+        if self.arena is None or self.n_remote_reader or ranks != self.n_local_reader:
+            set_forward_source(source)  # not this queue's: left for the next one
+            return None
+        self.arena.forward_from(source, ranks)
+        return source
 
     # vLLM's attribute names for the sockets (tests stand proxies in for them).
     @property
@@ -366,18 +390,41 @@ class WriterEnd(End):
             self.lifecycle.call(timeout, "enqueue", self._send_locked, obj, deadline, sending)
             return result
         except BaseException as e:
-            if sending.done:
+            # Decided from what was committed, not from how far settle got: a second
+            # interruption inside settle (before it marked the message done) must not tell
+            # the caller "not sent" about a message readers can see.
+            if sending.done or self.committed(sending):
                 note_sent(e)
+            elif sending.forwarded and self.arena is not None:
+                # Not sent, and settle may have been cut short: the list holds only the
+                # forwards still counted, so none is taken back twice.
+                self.arena.take_back_forwards(sending.forwarded)
             raise
 
     def _send_locked(self, obj: Any, deadline: float | None, sending: Sending) -> None:
-        """Under the call lock: the message sent, or settled (see ``settle``)."""
+        """Under the call lock: the message sent, or settled (see ``settle``). A previous
+        message whose settling a second interruption cut short is settled first."""
+        if self.pending is not None:
+            self.finish_pending()
         self.check_can_send()
+        self.pending = sending
         try:
             self._send_message(obj, deadline, sending)
         except BaseException as e:
             self.settle(sending, e)
+            self.pending = None  # settled (an interruption in settle leaves it pending)
             raise
+        self.pending = None  # done: its frames need not stay referenced
+
+    def finish_pending(self) -> None:
+        """Under the call lock: settles the last enqueue's message if it is not done (an
+        interruption inside ``settle`` left it half-settled: sent but not counted, so the next
+        sequence number would repeat; or not sent with its allocations still taken). Settling
+        is idempotent: each step is done once, whoever calls."""
+        prev = self.pending
+        if prev is not None and not prev.done and not self.broken:
+            self.settle(prev, None)
+        self.pending = None
 
     def _send_message(self, obj: Any, deadline: float | None, sending: Sending) -> None:
         if self.serialize_inband:
@@ -385,18 +432,24 @@ class WriterEnd(End):
         else:
             # The arena copy releases the GIL; the slots taken go into sending.diverted as
             # they are taken.
-            dumped = dump_message(obj, self.arena, sending.diverted)
-        frames = [diverted_header(dumped.diverted), dumped.data, *dumped.buffers]
+            dumped = dump_message(obj, self.arena, sending.diverted, sending.forwarded)
+        frames = [diverted_header(dumped.diverted, dumped.forwarded), dumped.data, *dumped.buffers]
         sending.frames = frames
         if dumped.diverted and self.sockets.remote is not None:
             # Remote readers: the same message, then the bytes of the allocations its stubs
             # name, in frame 0's order (protocol.py), held for a send by reference.
             sending.remote_frames = [*frames, *self.arena.send_holds(dumped.diverted)]
         self.send(frames, deadline, sending)
+        self._mark_sent(sending)
+        self.reporter.maybe_report(self)
+
+    def _mark_sent(self, sending: Sending) -> None:
+        """Counts a message that went (every step finished)."""
         self.seq = sending.seq
         self.counters["messages"] += 1
+        if sending.forwarded:
+            self.arena.count_forwards(len(sending.forwarded))
         sending.done = True
-        self.reporter.maybe_report(self)
 
     def check_can_send(self) -> None:
         """``RuntimeError`` once shut down or broken."""
@@ -492,7 +545,7 @@ class WriterEnd(End):
             sealed = self.sealed(frames, sending.seq)
             self.sockets.send(local, sealed, None, sending, may_wait=False)
 
-    def settle(self, sending: Sending, exc: BaseException) -> None:
+    def settle(self, sending: Sending, exc: BaseException | None) -> None:
         """An exception left ``send`` (a timeout or shutdown before anything was committed,
         or an asynchronous exception such as ``KeyboardInterrupt`` at any point). Decides from
         what the ring and the sockets actually took, not from where Python was: nothing taken
@@ -501,8 +554,7 @@ class WriterEnd(End):
         half-sent socket message -> the queue is broken (it cannot go on in order)."""
         frames = sending.frames
         ring = self.ring
-        seq = sending.ring_seq
-        ring_committed = ring is not None and seq is not None and ring.published() > seq
+        ring_committed = self._ring_committed(sending)
         remote, local = self.sockets.remote, self.sockets.local
         n_remote = len(sending.remote_frames or frames or ())
         if 0 < sending.taken(remote) < n_remote or (
@@ -523,6 +575,11 @@ class WriterEnd(End):
                         arena.give_back_unsent(unsent)
                     except Exception:
                         logger.exception("vllm_shm_arena: giving back an unsent message's slots")
+            if sending.forwarded:
+                try:  # empties the list as it goes: a forward is never taken back twice
+                    self.arena.take_back_forwards(sending.forwarded)
+                except Exception:
+                    logger.exception("vllm_shm_arena: taking back an unsent message's forwards")
             return
         # Sent: finish what readers are owed (neither step waits).
         if not sending.done:
@@ -534,10 +591,20 @@ class WriterEnd(End):
             except BaseException:
                 self.break_off("an enqueue was interrupted after its message was announced")
                 raise
-            self.seq = sending.seq
-            self.counters["messages"] += 1
-            sending.done = True
-        note_sent(exc)
+            self._mark_sent(sending)
+        if exc is not None:
+            note_sent(exc)
+
+    def _ring_committed(self, sending: Sending) -> bool:
+        """Whether the ring published this message (or its marker)."""
+        seq = sending.ring_seq
+        return self.ring is not None and seq is not None and self.ring.published() > seq
+
+    def committed(self, sending: Sending) -> bool:
+        """Whether a reader can see the message: the ring published it, or the remote socket
+        took any of it (what ``settle`` decides "sent" by)."""
+        remote = self.sockets.remote
+        return self._ring_committed(sending) or (remote is not None and sending.taken(remote) > 0)
 
     def break_off(self, why: str) -> None:
         """The queue cannot go on in order: no more sends, the ring shut down (readers get a
@@ -591,6 +658,10 @@ class WriterEnd(End):
 
     # ------------------------------------------------------------------ ending
     def _close_locked(self, drain_s: float) -> None:
+        try:  # the last message counted before the last sequence number is announced
+            self.finish_pending()
+        except Exception:
+            logger.exception("vllm_shm_arena: settling the last message at shutdown")
         self.sockets.close(drain_s, self.seq)
         # Only now: the ring's shutdown flag tells readers that nothing follows.
         if self.ring is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import os
 import pickle
+import struct
 import sys
 from pathlib import Path
 
@@ -92,10 +93,18 @@ def test_each_end_has_only_its_roles_state(roles):
         "handle",
         "roster",
         "seq",
+        "pending",
         "keys",
     }
     readers = common | {"handle", "keys", "last_dequeue_s", "socket", "inbox", "broken"}
-    assert set(vars(local._end)) == readers | {"index", "ring", "arena", "blob_region", "ended"}
+    assert set(vars(local._end)) == readers | {
+        "index",
+        "ring",
+        "arena",
+        "blob_region",
+        "ended",
+        "frontend",
+    }
     assert set(vars(remote._end)) == readers | {"ranks", "checked"}
 
 
@@ -213,6 +222,25 @@ def test_the_arena_records_header_round_trips():
     assert protocol.parse_diverted(memoryview(bytearray(frame))) == recs
     assert protocol.diverted_header([]) == b"" and protocol.parse_diverted(b"") == []
     assert protocol.parse_diverted(frame[:-8]) == []  # not whole pairs: nothing
+
+
+def test_frame_0_with_forwards_round_trips_and_reads_as_before_without():
+    div, fwd = [(0, 1), (7, 1 << 40)], [(3, 9), (3, 9), (5, 2)]
+    frame = protocol.diverted_header(div, fwd)
+    assert len(frame) == 16 * 5 + 8  # pairs, then the forward count: 8 mod 16
+    assert protocol.parse_header(frame) == (div, fwd)
+    assert protocol.parse_header(memoryview(bytearray(frame))) == (div, fwd)
+    assert protocol.parse_diverted(frame) == div
+    assert protocol.diverted_header([], fwd) != b""
+    assert protocol.parse_header(protocol.diverted_header([], fwd)) == ([], fwd)
+    assert protocol.diverted_header(div, []) == protocol.diverted_header(div)  # as before
+    assert protocol.parse_header(protocol.diverted_header(div)) == (div, [])
+    # A count that does not fit the frame, or is 0, or a length not whole <Q: nothing.
+    flat = struct.pack("<5Q", 1, 2, 3, 4, 3)  # 2 pairs, a count of 3
+    assert protocol.parse_header(flat) == ([], [])
+    assert protocol.parse_header(struct.pack("<3Q", 1, 2, 0)) == ([], [])
+    assert protocol.parse_header(frame[:-3]) == ([], [])
+    assert protocol.parse_diverted(flat) == []
 
 
 def test_the_public_names_live_where_users_import_them():

@@ -39,6 +39,8 @@ from mq_helpers import inside_a_call, reading_thread, ready_in_threads, wait_unt
 
 import vllm_shm_arena
 from vllm_shm_arena import MessageQueue
+from vllm_shm_arena import arena as arena_mod
+from vllm_shm_arena.frontend import FrontendWriter, StubProvider
 from vllm_shm_arena.mq import writer as mq_writer
 
 MiB = 1 << 20
@@ -128,12 +130,28 @@ class _Drain:
 
 #: The local readers drained beside a "remote+arena" writer, by the writer's id.
 _DRAINS: dict[int, _Drain] = {}
+#: Kind "forward": the frontend arena's writer and this process's reader 0 (the engine core's
+#: part), whose holds the queue forwards; by the writer's id, and the one in use now.
+_FRONTENDS: dict[int, tuple[FrontendWriter, StubProvider]] = {}
+_FRONTEND: list = []
 
 
 def _queue(kind: str):
     """A writer and one reader of ``kind`` in this process, ready. "remote+arena": the reader
     is remote, beside a node-local one (drained on a thread) and the arena, so its messages
     carry the arena allocations' bytes after their buffers."""
+    if kind == "forward":
+        # Tensors held from a frontend arena (this process is its reader 0) go by reference.
+        fw = FrontendWriter(1, 64 * MiB, max_allocations=64)
+        provider = StubProvider(fw.handle())
+        arena_mod.set_forward_source(provider.reader)
+        w = MessageQueue(1, 1, max_chunk_bytes=64 << 10, enable_shm_tensor_arena=True)
+        assert w.export_handle().frontend_arena_handle is not None
+        _FRONTENDS[id(w)] = (fw, provider)
+        _FRONTEND[:] = [(fw, provider)]
+        r = MessageQueue.create_from_handle(w.export_handle(), 0)
+        ready_in_threads(w, [r])
+        return w, r
     if kind == "remote":
         w = MessageQueue(1, 0, connect_ip="127.0.0.1")
     elif kind == "remote+arena":
@@ -171,6 +189,12 @@ def _message(i: int, shape: str):
         return {"i": i, "t": (torch.arange(64 << 10, dtype=torch.int32) + i)[::2]}
     if shape == "tensor":  # 2 MiB contiguous: an arena stub (the out-of-band path without)
         return {"i": i, "t": torch.full((512 << 10,), i, dtype=torch.int32)}
+    if shape == "held":  # 2 MiB held from the frontend arena: a forward stub
+        fw, provider = _FRONTEND[0]
+        loan = fw.fill(torch.full((512 << 10,), i, dtype=torch.int32))
+        consumer = fw.consumer()
+        consumer.new_message()
+        return {"i": i, "t": provider("int32", [512 << 10], consumer(loan))}
     raise AssertionError(shape)
 
 
@@ -178,7 +202,7 @@ def _check(m, i: int, shape: str) -> None:
     assert m["i"] == i, (m["i"], i)
     if shape == "socket":
         assert torch.equal(m["t"], (torch.arange(64 << 10, dtype=torch.int32) + i)[::2])
-    elif shape == "tensor":
+    elif shape in ("tensor", "held"):
         assert int(m["t"][0]) == i and int(m["t"][-1]) == i
 
 
@@ -190,6 +214,12 @@ def _close(w, r) -> None:
         drain.stop.set()
         drain.thread.join(10)
         drain.reader.shutdown()
+    fe = _FRONTENDS.pop(id(w), None)
+    if fe is not None:
+        arena_mod.set_forward_source(None)
+        _FRONTEND.clear()
+        fe[1].close()
+        fe[0].arena.close()
 
 
 def _assert_every_slot_came_back(w) -> None:
@@ -201,6 +231,14 @@ def _assert_every_slot_came_back(w) -> None:
         if arena is not None:
             arena.reclaim()
             assert arena.stats()["in_use"] == 0, arena.stats()
+    fe = _FRONTENDS.get(id(w))
+    if fe is not None:
+        # Every forward taken back or acked exactly once: a forward left counted would keep
+        # its slot owed by the worker for good (one taken back twice raises in unforward).
+        fw = fe[0]
+        assert w.arena.stats()["hits"] == 0  # nothing held was copied into the queue's arena
+        fw.arena.reclaim()
+        assert fw.arena.stats()["in_use"] == 0, fw.arena.stats()["holdings"]
 
 
 CASES = [
@@ -212,6 +250,7 @@ CASES = [
     ("remote", "ring"),
     ("remote", "tensor"),
     ("remote+arena", "tensor"),
+    ("forward", "held"),
 ]
 
 
@@ -295,7 +334,44 @@ def test_an_interrupt_at_any_bytecode_of_enqueue_sends_once_or_not_at_all(kind, 
             r.dequeue(timeout=0.2)
         w.enqueue("last", timeout=10)  # never broken
         assert r.dequeue(timeout=10) == "last"
+        msg = None  # a held tensor keeps its frontend slot
         _assert_every_slot_came_back(w)  # no interrupted send left a slot taken
+    finally:
+        _close(w, r)
+
+
+@pytest.mark.parametrize("kind", ["remote", "local", "forward"])
+def test_a_second_interrupt_inside_settle_still_says_sent_and_the_next_send_counts_it(kind):
+    """Two interruptions in a row: the first lands after the message went out (before it was
+    counted), the second inside ``settle`` before settle counted it. Before: the caller was
+    told nothing (and retried: a duplicate), and the sequence number was not advanced (the
+    next message repeated it: a remote reader's SequenceError). Now the note comes from what
+    was committed, and the next call under the lock finishes the settling."""
+    w, r = _queue(kind)
+    end = w._end
+    calls = []
+
+    def interrupted(sending):
+        calls.append(sending)
+        raise Interrupt(f"injected at count {len(calls)}")
+
+    shape = "held" if kind == "forward" else "ring"
+    try:
+        end._mark_sent = interrupted
+        with pytest.raises(Interrupt) as ei:
+            w.enqueue(_message(0, shape), timeout=10)
+        del end._mark_sent
+        assert len(calls) == 2  # in the send, then in settle
+        assert "was sent" in "".join(getattr(ei.value, "__notes__", []))
+        w.enqueue(_message(1, shape), timeout=10)  # settles message 0 first, then goes
+        for i in range(2):
+            _check(r.dequeue(timeout=10), i, shape)
+        with pytest.raises(TimeoutError):  # nothing twice
+            r.dequeue(timeout=0.2)
+        assert w.stats()["messages"] == 2
+        ei = None  # its traceback holds the message (a held tensor keeps its frontend slot)
+        calls.clear()
+        _assert_every_slot_came_back(w)
     finally:
         _close(w, r)
 
