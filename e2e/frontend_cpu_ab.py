@@ -8,7 +8,10 @@ warm-up and then, per round, ``--images`` new 1344^2 images (10.8 MB of pixel_va
 as many text-only requests. Per process (the API server, the engine core: every thread, from
 /proc/<pid>/task/*/stat) the CPU seconds over the images minus those over the text requests,
 per image: the CPU one image's payload costs there. Also the engine core's anonymous memory
-growth over the images (/proc/<pid>/status RssAnon). Prints, writes
+growth over the images (/proc/<pid>/status RssAnon), the queue-arena copies and forwards over
+the images (``/metrics``), and, after every round, the frontend arena's pages resident in the
+engine core (/proc/<pid>/smaps: with forwarding it never touches an image's bytes). Prints,
+writes
 ``benchmarks/results/serve_test/frontend_cpu_ab.{md,json}``; never asserts.
 """
 
@@ -25,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from run_serve_test import ROOT, Server  # noqa: E402  (e2e/, beside this file)
+from run_serve_test import ROOT, Server, read_metrics  # noqa: E402  (e2e/, beside this file)
 from serve_lib import (  # noqa: E402
     IMAGE_KINDS,
     ImageRequest,
@@ -60,6 +63,36 @@ def _rss_anon(pid: int) -> int:
     return 0
 
 
+def _rss_of_mapping(pid: int, name: str) -> int:
+    """Bytes resident in ``pid`` of the mappings whose path contains ``name``
+    (/proc/<pid>/smaps)."""
+    total, inside = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):  # a mapping's header line
+                inside = name in line
+            elif inside and first == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def _frontend_arena_name(log_path: str) -> str | None:
+    """The frontend arena's name, as the API server's log line gives it."""
+    with open(log_path) as f:
+        m = re.search(r"frontend arena (vsa_[0-9a-f]+)", f.read())
+    return m.group(1) if m else None
+
+
+def _queue_counts(base: str) -> tuple[int, int]:
+    """(queue-arena hits, forwards) from ``/metrics``."""
+    m = read_metrics(base)
+    return (
+        int(m.get("vllm:shm_arena_hits_total", 0)),
+        int(m.get("vllm:shm_arena_forwarded_total", 0)),
+    )
+
+
 def _engine_core_pid(log_path: str) -> int:
     """The engine core's pid, as its own log lines give it ("(EngineCore pid=N)")."""
     with open(log_path) as f:
@@ -92,6 +125,9 @@ def run(args, config: str, env_extra: dict, rounds: int, seed0: int) -> dict:
                 r = ImageRequest("large", 0, IMAGE_KINDS["large"], seed, warmup=False)
                 seed += 1
                 pngs.append((r, prepare(r, args)))
+            time.sleep(1.1)  # the writer reports its counts at most once a second
+            chat_stream(srv.base, _text_content(0), args.seed, 4, 300)
+            h0, f0 = _queue_counts(srv.base)
             a0, c0, m0 = _cpu_s(api), _cpu_s(core), _rss_anon(core)
             for _r, png in pngs:
                 chat_stream(srv.base, image_content(png), args.seed, 4, 300)
@@ -99,6 +135,10 @@ def run(args, config: str, env_extra: dict, rounds: int, seed0: int) -> dict:
             for i in range(args.images):
                 chat_stream(srv.base, _text_content(i + 1), args.seed, 4, 300)
             a2, c2 = _cpu_s(api), _cpu_s(core)
+            time.sleep(1.1)
+            chat_stream(srv.base, _text_content(0), args.seed, 4, 300)
+            h1, f1 = _queue_counts(srv.base)
+            name = _frontend_arena_name(log)
             n = args.images
             out["rounds"].append(
                 {
@@ -107,6 +147,9 @@ def run(args, config: str, env_extra: dict, rounds: int, seed0: int) -> dict:
                     "core_image_request_ms": (c1 - c0) / n * 1e3,
                     "core_text_request_ms": (c2 - c1) / n * 1e3,
                     "core_rss_anon_growth_per_image": (m1 - m0) / n,
+                    "queue_arena_copies_per_image": (h1 - h0) / n,
+                    "forwards_per_image": (f1 - f0) / n,
+                    "core_frontend_arena_rss": _rss_of_mapping(core, name) if name else 0,
                     "pixel_values_bytes": pngs[0][0].pixel_values_bytes,
                 }
             )
@@ -168,6 +211,9 @@ def main() -> int:
         ("core_ms_per_image", "engine core CPU for the payload, ms (all threads)"),
         ("api_ms_per_image", "API server CPU for the payload, ms (all threads)"),
         ("core_rss_anon_growth_per_image", "engine core anonymous memory growth, B"),
+        ("queue_arena_copies_per_image", "copies into the queue's arena (its hits)"),
+        ("forwards_per_image", "tensors forwarded to the workers by reference"),
+        ("core_frontend_arena_rss", "frontend arena resident in the engine core, B"),
     ):
         ratio = f_[key] / n_[key] if n_[key] else float("nan")
         md.append(f"| {label} | {f_[key]:.2f} | {n_[key]:.2f} | {ratio:.2f} |")
@@ -176,7 +222,10 @@ def main() -> int:
         f"CPU comes in clock ticks ({1000 // _TICK} ms): one tick over {args.images} images is "
         f"{1000 / _TICK / args.images:.2f} ms per image, the resolution of the CPU rows. The "
         "engine core's CPU per image includes its copy into the queue's arena for the workers "
-        "(not separated here). Every round: `frontend_cpu_ab.json`. Prints, never asserts.",
+        "unless it forwards them (frontend arena on: it copies none of an image's bytes). "
+        "Copies and forwards: `/metrics` deltas over the images; the frontend arena's resident "
+        "bytes in the engine core: /proc/<pid>/smaps after each round (median shown). Every "
+        "round: `frontend_cpu_ab.json`. Prints, never asserts.",
     ]
     with open(os.path.join(args.results, "frontend_cpu_ab.md"), "w") as f:
         f.write("\n".join(md) + "\n")

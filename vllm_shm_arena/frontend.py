@@ -127,6 +127,12 @@ class FrontendWriter:
         """Whether reader 0 (the engine core) is attached now: stubs go only then."""
         return self.arena.reader_state(0) == "attached"
 
+    def everyone_joined(self) -> bool:
+        """Whether every reader rank (the engine core and each worker) has attached at some
+        point: nobody else will, so the arena's name may go."""
+        n = self.arena.handle().n_readers
+        return all(self.arena.reader_state(r) != "never_attached" for r in range(n))
+
     def fill(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """A loan holding a copy of ``tensor`` (same dtype and shape), or ``None`` when it
         stays as it is: not a CPU tensor, not contiguous, smaller than ``min_bytes``, or the

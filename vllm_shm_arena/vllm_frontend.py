@@ -273,10 +273,10 @@ _unlinked: set[str] = set()
 
 
 def _unlink_once(writer: frontend.FrontendWriter) -> None:
-    """Once the engine core is attached nothing else attaches (yet): the name goes, so no
-    stop, however abrupt, leaves it behind."""
+    """Once the engine core and every worker attached, nothing else will: the name goes, so
+    no stop, however abrupt, leaves it behind (until then the API server's exit removes it)."""
     name = writer.arena.name
-    if name not in _unlinked:
+    if name not in _unlinked and writer.everyone_joined():
         _unlinked.add(name)
         writer.arena.unlink()
 

@@ -61,6 +61,18 @@ def test_one_copy_then_stubs_then_zero_copy(ends):
     assert _in_use(w) == 0
 
 
+def test_the_name_may_go_only_once_every_rank_joined(ends):
+    from vllm_shm_arena.arena import ShmTensorArena
+
+    w, _p = ends  # the engine core (reader 0) is attached; the workers not yet
+    assert not w.everyone_joined()
+    workers = [ShmTensorArena.attach(w.handle(), rank) for rank in (1, 2)]
+    assert w.everyone_joined()
+    workers[0].close()
+    assert w.everyone_joined()  # a worker that left does not bring the name back
+    workers[1].close()
+
+
 def test_a_hit_sends_the_same_loan_again_and_both_are_owed(ends):
     w, p = ends
     loan = w.fill(torch.full((2 * MiB,), 5, dtype=torch.uint8))
