@@ -262,9 +262,10 @@ def dump_message(
         p.dump(obj)
         if into is not None:
             into.extend(p.diverted)
-        out = Dumped(bio.getvalue(), list(bufs), list(p.diverted), list(p.forwarded))
-        if forwarded_into is not None:
-            _C.move_items(p.forwarded, forwarded_into)  # the caller's to take back from now
+        fwd = p.forwarded
+        out = Dumped(bio.getvalue(), list(bufs), list(p.diverted), list(fwd) if fwd else None)
+        if fwd and forwarded_into is not None:
+            _C.move_items(fwd, forwarded_into)  # the caller's to take back from now
     except BaseException:
         arena.give_back_unsent(p.diverted)
         arena.take_back_forwards(p.forwarded)  # those not handed to the caller
