@@ -15,7 +15,15 @@ venv and the tiny model exist. For each configuration (``--enable-shm-tensor-are
 * ``VLLM_SHM_ARENA_DEBUG_CHECKSUM=1``: ``vllm:shm_arena_checksum_mismatches_total`` is exported
   by the workers and is 0, and no worker logged a mismatch;
 * with the flag off, no arena hit and no "uses the C++ shm tensor arena" line (stock vLLM);
+* a repeated image (the first large one again, last): vLLM's multimodal cache hit, which the
+  API server sends no payload or stub for, and the engine core forwards again (one forward,
+  no queue-arena copy, no new loan); its output is the original's;
 * temperature 0, a fixed seed: both configurations return identical token ids per request;
+* eviction (a third server, flag on, ``--mm-processor-cache-gb 0.05``: vLLM's multimodal cache
+  holds 4 large images; ``--no-eviction`` skips it): 8 new images, each copied once into the
+  frontend arena and forwarded once; once they are done, at most 4 frontend slots in use (an
+  evicted item's slot is free); the first image again is a miss, one new copy, the same
+  output; a clean stop;
 * no ``vsa_`` name is left in the private shm directory (or new in /dev/shm) after the stop;
 * the server stops cleanly: SIGINT, exit status 0 within ``--stop-timeout``, no process of
   its group left, no force-kill of the engine or a worker (``--shutdown-timeout`` gives them
@@ -367,6 +375,99 @@ def run_config(args: argparse.Namespace, config: str, flag: str, plan: list[Imag
     return rec
 
 
+#: The eviction run: vLLM's multimodal cache (``--mm-processor-cache-gb``) holds 4 of the large
+#: images (10.8 MB each: 4 are 43 MB, 5 are 54 MB of its 53.7 MB), and it sends this many.
+EVICTION_CACHE_GB = 0.05
+EVICTION_CACHED = 4
+EVICTION_IMAGES = 8
+FRONTEND_IN_USE = "vllm:shm_arena_frontend_slots_in_use"
+FRONTEND_FILLED = "vllm:shm_arena_frontend_filled_total"
+
+
+def run_eviction(args: argparse.Namespace, seed_base: int) -> dict[str, Any]:
+    """A server whose multimodal cache holds ``EVICTION_CACHED`` large images gets
+    ``EVICTION_IMAGES`` new ones, then the first again; per request, the frontend arena's
+    copies, the forwards, the queue-arena hits and its slots in use (``/metrics``, settled)."""
+    log_path = os.path.join(args.log_dir, "serve_eviction.log")
+    srv = Server(args, "eviction", "--enable-shm-tensor-arena", log_path)
+    srv.cmd += ["--mm-processor-cache-gb", str(EVICTION_CACHE_GB)]
+    side = IMAGE_KINDS["large"]
+    plan = [ImageRequest("evict", i, side, seed_base + 500 + i, False) for i in range(8)]
+    plan.append(ImageRequest("evict", len(plan), side, plan[0].seed, False))  # the first again
+    rec: dict[str, Any] = {"config": "eviction", "requests": [], "errors": []}
+    try:
+        print(f"serve-test [eviction]: starting vllm serve (cache {EVICTION_CACHE_GB} GB)")
+        srv.start()
+        prev = settle_metrics(srv, args)
+        for r in plan:
+            res = chat_stream(
+                srv.base, image_content(prepare(r, args)), args.seed, 4, args.request_timeout
+            )
+            m = settle_metrics(srv, args)
+            hits = _arena_totals(m)[0] - _arena_totals(prev)[0]
+            row = {
+                "key": r.key,
+                "token_ids": res["token_ids"],
+                "filled": int(m.get(FRONTEND_FILLED, 0) - prev.get(FRONTEND_FILLED, 0)),
+                "forwarded": _forwarded_total(m) - _forwarded_total(prev),
+                "hits": hits,
+                "in_use": int(m.get(FRONTEND_IN_USE, -1)),
+            }
+            rec["requests"].append(row)
+            print(f"serve-test [eviction]: {json.dumps(row | {'token_ids': None})}", flush=True)
+            prev = m
+    except Exception as e:  # any failure: kill the server, print its log, record it
+        rec["errors"].append(f"{type(e).__name__}: {e}")
+        print(f"serve-test [eviction]: FAILED: {e}\n{srv.log_tail()}", flush=True)
+        srv.kill()
+    finally:
+        rec["stop"] = srv.shutdown()
+    rec["vsa_names_left"] = sorted(vsa_names(srv.shm_dir))
+    srv.cleanup_dirs()
+    return rec
+
+
+def eviction_checks(rec: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
+    """What the eviction run must show (``run_eviction``)."""
+    rows = rec["requests"]
+    out = [("eviction", "server started, requests answered", not rec["errors"], str(rec["errors"]))]
+    if len(rows) != EVICTION_IMAGES + 1:
+        return out
+    new, again = rows[:-1], rows[-1]
+    out += [
+        (
+            "eviction",
+            f"{EVICTION_IMAGES} new images: each copied once into the frontend arena and "
+            "forwarded once, no queue-arena copy",
+            all(r["filled"] == 1 and r["forwarded"] == 1 and r["hits"] == 0 for r in new),
+            json.dumps([(r["filled"], r["forwarded"], r["hits"]) for r in new]),
+        ),
+        (
+            "eviction",
+            f"frontend slots in use once finished <= {EVICTION_CACHED} (vLLM's cache holds "
+            f"{EVICTION_CACHED}; an evicted item's slot is free)",
+            0 <= new[-1]["in_use"] <= EVICTION_CACHED,
+            json.dumps([r["in_use"] for r in rows]),
+        ),
+        (
+            "eviction",
+            "the first image again is a miss (evicted): one new copy, one forward, the same "
+            "output as the first time",
+            again["filled"] == 1
+            and again["forwarded"] == 1
+            and again["token_ids"] == rows[0]["token_ids"],
+            json.dumps({k: again[k] for k in ("filled", "forwarded", "hits", "in_use")}),
+        ),
+        (
+            "eviction",
+            "stopped cleanly, no vsa_ name left",
+            rec["stop"].get("rc") == 0 and not rec["vsa_names_left"],
+            json.dumps({"rc": rec["stop"].get("rc"), "left": rec["vsa_names_left"]}),
+        ),
+    ]
+    return out
+
+
 def _median(xs: list[float]) -> float:
     xs = [x for x in xs if not math.isnan(x)]
     return statistics.median(xs) if xs else math.nan
@@ -462,7 +563,8 @@ def checks_for(rec: dict[str, Any], min_bytes: int) -> list[tuple[str, bool, str
             )
             out.append((f"{r['key']} {how}", ok, detail))
         fe = rec["frontend"]
-        new_bytes = sum(r["pixel_values_bytes"] for r in rec["requests"])
+        # A repeated image is a vLLM cache hit: no loan, no stub (its forward is checked above).
+        new_bytes = sum(r["pixel_values_bytes"] for r in rec["requests"] if r["kind"] != "repeat")
         out.append(
             (
                 "frontend arena: each image's pixel_values filled once (1.00 x its bytes) and "
@@ -640,9 +742,17 @@ def main() -> int:
         default="/dev/shm",
         help="tmpfs under which each run's private shm directory is made",
     )
+    ap.add_argument(
+        "--no-eviction", action="store_true", help="skip the third server (the eviction run)"
+    )
     add_common_arguments(ap, per_kind=5, startup_timeout=600)
     args = ap.parse_args()
     plan, seed_base = plan_requests(args, "serve-test")
+    # The first large image once more: vLLM's multimodal cache hit (no payload from the API
+    # server; the engine core forwards the tensor its cache holds again).
+    first = next(r for r in plan if r.kind == "large" and not r.warmup)
+    plan.append(ImageRequest("repeat", 0, first.side, first.seed, warmup=False))
+    repeats = {plan[-1].key: first.key}
 
     configs = []
     for config, flag in (
@@ -655,8 +765,12 @@ def main() -> int:
     for rec in configs:
         for name, ok, detail in checks_for(rec, _queue_min_bytes()):
             checks.append((rec["config"], name, ok, detail))
-    identical, same = compare_outputs(configs, [r.key for r in plan], args.max_tokens)
+    identical, same = compare_outputs(configs, [r.key for r in plan], args.max_tokens, repeats)
     checks += same
+    eviction = None
+    if not args.no_eviction:
+        eviction = run_eviction(args, seed_base)
+        checks += eviction_checks(eviction)
     passed = all(ok for _, _, ok, _ in checks)
     result = {
         "passed": passed,
@@ -678,6 +792,7 @@ def main() -> int:
         "identical_tokens": identical,
         "checks": checks,
         "configs": configs,
+        "eviction": eviction,
     }
     write_results(args.results, result)
     print_checks("serve-test", checks)

@@ -234,11 +234,16 @@ class ProcessGroup:
 
 
 def compare_outputs(
-    configs: list[dict[str, Any]], keys: list[str], max_tokens: int
+    configs: list[dict[str, Any]],
+    keys: list[str],
+    max_tokens: int,
+    repeats: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], list[tuple[str, str, bool, str]]]:
     """Per request, (token ids, logprobs) in every configuration: the summary and its checks
-    (identical everywhere, ``max_tokens`` each, when there are several configurations; and a
-    different output per image)."""
+    (identical everywhere, ``max_tokens`` each, when there are several configurations; a
+    different output per image; and each request of ``repeats`` (key -> the key whose image it
+    sends again) the same output as its original)."""
+    repeats = repeats or {}
     outs = [
         {r["key"]: (tuple(r["token_ids"]), tuple(r["logprobs"])) for r in c["requests"]}
         for c in configs
@@ -272,10 +277,19 @@ def compare_outputs(
         (
             "both",
             "the outputs depend on the image (a different token/logprob sequence per image)",
-            all(n == len(keys) for n in distinct.values()),
+            all(n == len(keys) - len(repeats) for n in distinct.values()),
             json.dumps(distinct),
         )
     )
+    for key, original in repeats.items():
+        checks.append(
+            (
+                "both",
+                f"{key} (the image of {original} again) returns the same output as {original}",
+                all(o.get(key) == o.get(original) for o in outs),
+                "",
+            )
+        )
     return identical, checks
 
 

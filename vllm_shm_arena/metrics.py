@@ -26,6 +26,16 @@ Readers (worker processes), from a reader's ``stats()``, summed over live proces
   releases whose tensor bytes had changed since the writer checksummed them (a counter, summed
   over every process that reported).
 
+The frontend arena (vLLM's API server, ``vllm_frontend``; ``record_frontend_stats``):
+
+* ``vllm:shm_arena_frontend_filled_total``: multimodal items' tensors copied into it (one
+  copy each, on the API server);
+* ``vllm:shm_arena_frontend_filled_bytes_total``: their bytes;
+* ``vllm:shm_arena_frontend_stubs_total``: stubs sent to the engine core (a tensor sent again,
+  e.g. for ``n`` > 1, is one more stub, never another copy);
+* ``vllm:shm_arena_frontend_slots_in_use``: its allocations some process still holds (vLLM's
+  multimodal caches in the engine core, the workers' tensors, items in flight).
+
 With ``PROMETHEUS_MULTIPROC_DIR`` set (before ``prometheus_client`` is first imported, as
 prometheus_client requires) the values go to files there, and a
 ``MultiProcessCollector`` in any process (vLLM's API server) exports those of every process.
@@ -126,6 +136,21 @@ class _Metrics:
             "pending_releases",
             "Arena slots waiting for a reader's H2D copy to finish",
             **live,
+        )
+        self.frontend_in_use = self._make(
+            prom.Gauge,
+            "frontend_slots_in_use",
+            "Frontend arena allocations some process still holds",
+            **live,
+        )
+        self.frontend_filled = self._make(
+            prom.Counter, "frontend_filled", "Multimodal tensors copied into the frontend arena"
+        )
+        self.frontend_filled_bytes = self._make(
+            prom.Counter, "frontend_filled_bytes", "Bytes copied into the frontend arena"
+        )
+        self.frontend_stubs = self._make(
+            prom.Counter, "frontend_stubs", "Frontend arena stubs sent to the engine core"
         )
         self.capacity = self._make(
             prom.Gauge, "capacity_bytes", "Tensor bytes the live shm tensor arenas hold", **live
@@ -267,6 +292,28 @@ def record_reader_stats(stats: Mapping[str, Any], key: str = "reader") -> None:
     m.pinned_bytes.set(int(stats.get("pinned_bytes") or 0))
     m.held.set(int(stats.get("held") or 0))
     m.pending.set(int(stats.get("pending_releases") or 0))
+
+
+@_never_raise
+def record_frontend_stats(
+    filled: int, filled_bytes: int, stubs: int, in_use: int, key: str = "frontend"
+) -> None:
+    """Exports the frontend arena's cumulative ``filled``, ``filled_bytes`` and ``stubs``
+    (their increase since the last call for ``key``) and its allocations ``in_use`` now.
+    Never raises."""
+    m = _get()
+    if m is None:
+        return
+    with _lock:
+        incs = [
+            (m.frontend_filled, _increase(key, "filled", filled)),
+            (m.frontend_filled_bytes, _increase(key, "filled_bytes", filled_bytes)),
+            (m.frontend_stubs, _increase(key, "stubs", stubs)),
+        ]
+    for counter, n in incs:
+        if n:
+            counter.inc(n)
+    m.frontend_in_use.set(int(in_use))
 
 
 @_never_raise

@@ -41,11 +41,12 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any
 
 import torch
 
-from vllm_shm_arena import arena, frontend, settings, sizing
+from vllm_shm_arena import arena, frontend, metrics, settings, sizing
 from vllm_shm_arena.vllm_interface import _params
 
 # vLLM configures the "vllm" logger tree: our lines appear among its own.
@@ -192,6 +193,7 @@ def _define_classes(lru_sender: type, oob_consumer: type, encoder: type, decoder
             frontend.LoanStubConsumer.new_message(self)
             if self._attached:
                 _unlink_once(self._writer)
+            _report(self._writer)
             if self._other is not None:
                 self._other.new_message()
 
@@ -270,6 +272,30 @@ def _unsend_on_failure(send_input):
 
 
 _unlinked: set[str] = set()
+
+
+#: When the frontend arena's metrics were last exported (``_report``).
+_reported_at = 0.0
+#: Export them at most this often (seconds), from the API server's encoder.
+REPORT_EVERY_S = 1.0
+
+
+def _report(writer: frontend.FrontendWriter) -> None:
+    """The frontend arena's metrics (``metrics.record_frontend_stats``), at most once per
+    ``REPORT_EVERY_S``: slots in use after recycling those every process let go."""
+    global _reported_at
+    now = time.monotonic()
+    if now - _reported_at < REPORT_EVERY_S or not metrics.enabled():
+        return
+    _reported_at = now
+    arena = writer.arena
+    try:
+        arena.reclaim(check_liveness=False)
+        s = arena.stats(holdings=False)
+    except Exception:  # noqa: BLE001  (closed at exit: metrics never fail a send)
+        return
+    c = writer.counters
+    metrics.record_frontend_stats(c["filled"], c["filled_bytes"], s["sends"], s["in_use"])
 
 
 def _unlink_once(writer: frontend.FrontendWriter) -> None:

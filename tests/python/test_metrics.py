@@ -127,6 +127,18 @@ def test_reader_gauges_take_the_latest_value():
     assert _value("vllm:shm_arena_pending_releases") == 2
 
 
+def test_the_frontend_arenas_counters_and_gauge():
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        pytest.skip("reads this process's default registry")
+    names = ["filled", "filled_bytes", "stubs"]
+    before = {n: _value(f"vllm:shm_arena_frontend_{n}_total") for n in names}
+    metrics.record_frontend_stats(2, 200, 3, 2, key="fe-test")
+    metrics.record_frontend_stats(5, 500, 9, 1, key="fe-test")
+    got = {n: _value(f"vllm:shm_arena_frontend_{n}_total") - before[n] for n in names}
+    assert got == {"filled": 5, "filled_bytes": 500, "stubs": 9}
+    assert _value("vllm:shm_arena_frontend_slots_in_use") == 1
+
+
 def test_reader_checksum_mismatches_are_a_counter():
     # VLLM_SHM_ARENA_DEBUG_CHECKSUM=1's verdict must be visible at /metrics (the serve test
     # asserts 0 there): a reader's cumulative checksum_mismatches becomes a counter, and a

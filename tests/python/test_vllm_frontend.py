@@ -271,3 +271,26 @@ def test_the_engine_core_attaches_before_its_executor_so_its_queue_forwards(inst
     finally:
         p.join(60)
         w.arena.close()
+
+
+def test_the_api_server_reports_the_frontend_arena_at_most_once_a_second(monkeypatch):
+    got = []
+    monkeypatch.setattr(vllm_frontend.metrics, "enabled", lambda: True)
+    monkeypatch.setattr(vllm_frontend.metrics, "record_frontend_stats", lambda *a: got.append(a))
+    monkeypatch.setattr(vllm_frontend, "_reported_at", 0.0)
+    w = frontend.FrontendWriter(1, 32 * MiB)
+    try:
+        loan = w.fill(torch.ones(MiB // 2))  # 2 MiB: one copy
+        vllm_frontend._report(w)
+        vllm_frontend._report(w)  # within the second: not again
+        assert got == [(1, 2 * MiB, 0, 1)]  # filled, bytes, stubs, the loan's slot in use
+        del loan
+        monkeypatch.setattr(vllm_frontend, "_reported_at", 0.0)
+        vllm_frontend._report(w)
+        assert got[-1] == (1, 2 * MiB, 0, 0)  # nobody holds it: recycled, not in use
+        w.arena.close()
+        monkeypatch.setattr(vllm_frontend, "_reported_at", 0.0)
+        vllm_frontend._report(w)  # closed (the API server's exit): nothing, no error
+        assert len(got) == 2
+    finally:
+        w.arena.close()
