@@ -18,7 +18,11 @@ venv and the tiny model exist. For each configuration (``--enable-shm-tensor-are
 * a repeated image (the first large one again, last): vLLM's multimodal cache hit, which the
   API server sends no payload or stub for, and the engine core forwards again (one forward,
   no queue-arena copy, no new loan); its output is the original's;
-* temperature 0, a fixed seed: both configurations return identical token ids per request;
+* two new images in one request, text between them, n = 2 (the last request): each image
+  copied once, one stub per image per choice (vLLM sends each choice as a request of its own),
+  forwarded at least once per image, no queue-arena copy;
+* temperature 0 (1 for the n = 2 request: vLLM refuses n > 1 with greedy sampling), a fixed
+  seed: both configurations return identical token ids per request (and per choice);
 * eviction (a third server, flag on, ``--mm-processor-cache-gb 0.05``: vLLM's multimodal cache
   holds 4 large images; ``--no-eviction`` skips it): 8 new images, each copied once into the
   frontend arena and forwarded once; once they are done, at most 4 frontend slots in use (an
@@ -277,7 +281,11 @@ def went_through_an_arena(r: dict[str, Any], forwarding: bool) -> bool:
     """Request ``r``'s image: forwarded (the frontend arena on: one forward, no queue-arena
     copy) or copied once into the queue's arena (one hit of exactly its bytes)."""
     if forwarding and r["pixel_values_bytes"] >= _frontend_min_bytes():
-        return r["arena_forwarded"] == 1 and r["arena_hits"] == 0 and r["arena_bytes"] == 0
+        # Each image at least once; n > 1 choices are requests of their own (each forwarded
+        # when scheduled alone, once when scheduled in the same step: pickle's memo).
+        fwd, images = r["arena_forwarded"], r["images"]
+        ok_fwd = fwd == images if r["n"] == 1 else images <= fwd <= images * r["n"]
+        return ok_fwd and r["arena_hits"] == 0 and r["arena_bytes"] == 0
     return r["arena_hits"] == 1 and r["arena_bytes"] == r["pixel_values_bytes"]
 
 
@@ -305,9 +313,14 @@ def run_config(args: argparse.Namespace, config: str, flag: str, plan: list[Imag
     log_path = os.path.join(args.log_dir, f"serve_{config}.log")
     dev_shm_before = vsa_names("/dev/shm")
     srv = Server(args, config, flag, log_path)
+    if any(r.images > 1 for r in plan):  # (the later option wins)
+        most = max(r.images for r in plan)
+        srv.cmd += ["--limit-mm-per-prompt", json.dumps({"image": most, "video": 0})]
     rec: dict[str, Any] = {"config": config, "flag": flag, "log": os.path.relpath(log_path, ROOT)}
     reqs = [
-        ImageRequest(**{k: getattr(r, k) for k in ("kind", "index", "side", "seed", "warmup")})
+        ImageRequest(
+            **{k: getattr(r, k) for k in ("kind", "index", "side", "seed", "warmup", "images", "n")}
+        )
         for r in plan
     ]
     errors: list[str] = []
@@ -319,10 +332,19 @@ def run_config(args: argparse.Namespace, config: str, flag: str, plan: list[Imag
         prev_hits, prev_bytes = _arena_totals(base_metrics)
         prev_fwd = _forwarded_total(base_metrics)
         for r in reqs:
-            png = prepare(r, args)
+            pngs = [prepare(r, args)]
+            for i in range(1, r.images):  # more images of the same size: their bytes add up
+                more = ImageRequest(r.kind, r.index, r.side, r.seed + i, False)
+                pngs.append(prepare(more, args))
+                r.pixel_values_bytes += more.pixel_values_bytes
             h, w = r.resized
             res = chat_stream(
-                srv.base, image_content(png), args.seed, args.max_tokens, args.request_timeout
+                srv.base,
+                image_content(*pngs),
+                args.seed,
+                args.max_tokens,
+                args.request_timeout,
+                n=r.n,
             )
             r.ttft_s, r.e2e_s = res["ttft_s"], res["e2e_s"]
             r.token_ids, r.logprobs, r.text = res["token_ids"], res["logprobs"], res["text"]
@@ -557,21 +579,30 @@ def checks_for(rec: dict[str, Any], min_bytes: int) -> list[tuple[str, bool, str
                     "out-of-band path"
                 )
             how = (
-                "forwarded by reference (1 forward, 0 queue-arena hits)"
+                "forwarded by reference ("
+                + (
+                    "1 forward"
+                    if r["images"] * r["n"] == 1
+                    else f"{r['images']} to {r['images'] * r['n']} forwards"
+                )
+                + ", 0 queue-arena hits)"
                 if by_reference
                 else f"copied into the queue's arena (1 hit, {r['pixel_values_bytes']} B)"
             )
             out.append((f"{r['key']} {how}", ok, detail))
         fe = rec["frontend"]
         # A repeated image is a vLLM cache hit: no loan, no stub (its forward is checked above).
-        new_bytes = sum(r["pixel_values_bytes"] for r in rec["requests"] if r["kind"] != "repeat")
+        new = [r for r in rec["requests"] if r["kind"] != "repeat"]
+        new_bytes = sum(r["pixel_values_bytes"] for r in new)
+        # n > 1: vLLM sends each choice as a request of its own, the same loan as one stub each.
+        stubs = sum(r["images"] * r["n"] for r in new)
         out.append(
             (
                 "frontend arena: each image's pixel_values filled once (1.00 x its bytes) and "
-                "sent as a stub, the engine core resolving them",
+                f"sent as a stub per request ({stubs}), the engine core resolving them",
                 fe["engine_attached"]
-                and fe.get("stubs", 0) >= 1
-                and fe.get("stubs") == fe.get("filled")
+                and fe.get("filled") == sum(r["images"] for r in new)
+                and fe.get("stubs") == stubs
                 and fe.get("filled_bytes") == new_bytes
                 and fe.get("declined") == 0,
                 f"{json.dumps(fe)}; pixel_values bytes of the timed requests {new_bytes}",
@@ -643,7 +674,8 @@ def write_results(path_dir: str, result: dict[str, Any]) -> None:
         f"{result['settings']['omp_bind']}`, `VLLM_CPU_KVCACHE_SPACE="
         f"{result['settings']['kv_cache_gib']}`, `VLLM_SHM_ARENA_DEBUG_CHECKSUM=1`, private "
         "`PROMETHEUS_MULTIPROC_DIR` and `VLLM_SHM_ARENA_SHM_DIR`. Requests: streamed chat "
-        f"completions, one base64 PNG each, temperature 0, seed {result['settings']['seed']}, "
+        f"completions, one base64 PNG each (the last: two, n = 2, temperature 1), temperature 0, "
+        f"seed {result['settings']['seed']}, "
         f"{result['settings']['max_tokens']} tokens (`ignore_eos`). Medians over "
         f"{result['settings']['per_kind']} requests per image kind, each with a different image; "
         "one warm-up image request first (timed apart). The arena divert threshold was "
@@ -753,6 +785,9 @@ def main() -> int:
     first = next(r for r in plan if r.kind == "large" and not r.warmup)
     plan.append(ImageRequest("repeat", 0, first.side, first.seed, warmup=False))
     repeats = {plan[-1].key: first.key}
+    # Two new images in one request, text between them, two choices (n = 2).
+    pair_seed = seed_base + 900
+    plan.append(ImageRequest("pair", 0, IMAGE_KINDS["typical"], pair_seed, False, images=2, n=2))
 
     configs = []
     for config, flag in (
@@ -765,7 +800,9 @@ def main() -> int:
     for rec in configs:
         for name, ok, detail in checks_for(rec, _queue_min_bytes()):
             checks.append((rec["config"], name, ok, detail))
-    identical, same = compare_outputs(configs, [r.key for r in plan], args.max_tokens, repeats)
+    identical, same = compare_outputs(
+        configs, [r.key for r in plan], args.max_tokens, repeats, {r.key: r.n for r in plan}
+    )
     checks += same
     eviction = None
     if not args.no_eviction:

@@ -69,6 +69,9 @@ class ImageRequest:
     arena_bytes: int | None = None
     #: Tensors the engine core sent on by reference (frontend arena), this request's share.
     arena_forwarded: int | None = None
+    #: Images in the request (``seed``, ``seed + 1``, ...; all of ``side``) and choices (n).
+    images: int = 1
+    n: int = 1
 
     @property
     def key(self) -> str:
@@ -109,8 +112,11 @@ def _post(url: str, body: dict, timeout: float):
     return urllib.request.urlopen(req, timeout=timeout)
 
 
-def chat_stream(base: str, content: list, seed: int, max_tokens: int, timeout: float) -> dict:
-    """Streams one chat completion; returns TTFT, end-to-end time, token ids and text."""
+def chat_stream(
+    base: str, content: list, seed: int, max_tokens: int, timeout: float, n: int = 1
+) -> dict:
+    """Streams one chat completion; returns TTFT, end-to-end time, token ids and text (with
+    ``n`` > 1 choices, each choice's in turn: chunks of different choices interleave)."""
     body = {
         "model": SERVED_NAME,
         "messages": [{"role": "user", "content": content}],
@@ -124,11 +130,13 @@ def chat_stream(base: str, content: list, seed: int, max_tokens: int, timeout: f
         # tokens of a random-weight model, which often agree for different images.
         "logprobs": True,
     }
+    if n > 1:
+        # vLLM refuses n > 1 with greedy sampling; sampling with the request's seed is as
+        # deterministic (the same tokens in every configuration whose logits agree).
+        body["n"], body["temperature"] = n, 1.0
     t0 = time.monotonic()
     ttft = None
-    token_ids: list[int] = []
-    logprobs: list[float] = []
-    text = []
+    per_choice: dict[int, tuple[list[int], list[float], list[str]]] = {}
     deadline = t0 + timeout
     with _post(f"{base}/v1/chat/completions", body, timeout) as resp:
         for raw in resp:
@@ -146,11 +154,18 @@ def chat_stream(base: str, content: list, seed: int, max_tokens: int, timeout: f
                 piece = (choice.get("delta") or {}).get("content") or ""
                 if (ids or piece) and ttft is None:
                     ttft = time.monotonic() - t0
+                token_ids, logprobs, text = per_choice.setdefault(
+                    int(choice.get("index", 0)), ([], [], [])
+                )
                 token_ids.extend(ids)
                 text.append(piece)
                 lp = (choice.get("logprobs") or {}).get("content") or []
                 logprobs.extend(float(e["logprob"]) for e in lp)
     e2e = time.monotonic() - t0
+    choices = [per_choice[i] for i in sorted(per_choice)]
+    token_ids = [t for c in choices for t in c[0]]
+    logprobs = [lp for c in choices for lp in c[1]]
+    text = [p for c in choices for p in c[2]]
     return {
         "ttft_s": math.nan if ttft is None else ttft,
         "e2e_s": e2e,
@@ -160,13 +175,17 @@ def chat_stream(base: str, content: list, seed: int, max_tokens: int, timeout: f
     }
 
 
-def image_content(png: bytes) -> list:
-    """An OpenAI chat message content: one base64 PNG image and a question."""
-    url = "data:image/png;base64," + base64.b64encode(png).decode()
-    return [
-        {"type": "image_url", "image_url": {"url": url}},
-        {"type": "text", "text": "Describe the image."},
-    ]
+def image_content(png: bytes, *more: bytes) -> list:
+    """An OpenAI chat message content: a base64 PNG image and a question; with ``more``
+    images, each after a line of text."""
+    out = []
+    for i, p in enumerate((png, *more)):
+        if i:
+            out.append({"type": "text", "text": f"And image {i + 1}:"})
+        url = "data:image/png;base64," + base64.b64encode(p).decode()
+        out.append({"type": "image_url", "image_url": {"url": url}})
+    out.append({"type": "text", "text": "Describe the image." if not more else "Compare them."})
+    return out
 
 
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{[^}]*\})?\s+(?P<v>\S+)$")
@@ -238,12 +257,15 @@ def compare_outputs(
     keys: list[str],
     max_tokens: int,
     repeats: dict[str, str] | None = None,
+    choices: dict[str, int] | None = None,
 ) -> tuple[dict[str, Any], list[tuple[str, str, bool, str]]]:
     """Per request, (token ids, logprobs) in every configuration: the summary and its checks
     (identical everywhere, ``max_tokens`` each, when there are several configurations; a
     different output per image; and each request of ``repeats`` (key -> the key whose image it
-    sends again) the same output as its original)."""
+    sends again) the same output as its original). ``choices``: requests of n > 1, whose output
+    is that many sequences of ``max_tokens``)."""
     repeats = repeats or {}
+    choices = choices or {}
     outs = [
         {r["key"]: (tuple(r["token_ids"]), tuple(r["logprobs"])) for r in c["requests"]}
         for c in configs
@@ -251,7 +273,7 @@ def compare_outputs(
     differing = [
         k
         for k in keys
-        if any(len(o.get(k, ((),))[0]) != max_tokens for o in outs)
+        if any(len(o.get(k, ((),))[0]) != max_tokens * choices.get(k, 1) for o in outs)
         or any(o.get(k) != outs[0].get(k) for o in outs)
     ]
     distinct = {c["config"]: len(set(o.values())) for c, o in zip(configs, outs, strict=True)}

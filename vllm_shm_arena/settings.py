@@ -54,8 +54,8 @@ reads as "no plugin".
   server builds its multimodal cache (vllm_frontend.py).
 * ``VLLM_SHM_ARENA_FRONTEND_HANDLE``: the frontend arena's handle (JSON), which vLLM's API
   server sets for the engine core it starts. Default: unset. Valid: set by the package, never by
-  hand (checked field by field where read). Read when the engine core builds its request decoder
-  (vllm_frontend.py).
+  hand (checked field by field where read). Read when the engine core is built, before its
+  executor (vllm_frontend.py).
 * ``VLLM_SHM_ARENA_DEBUG_CHECKSUM``: the writer checksums each tensor and readers report
   releases whose bytes changed (an in-place write by a reader). Default: unset. Valid: ``1``
   turns it on; any other value leaves it off. Read per arena created (arena.py).
@@ -306,7 +306,7 @@ VARIABLES: tuple[Variable, ...] = (
         "set by the package, never by hand (checked field by field where read)",
         "the frontend arena's handle (JSON), which vLLM's API server sets for the engine core "
         "it starts",
-        "when the engine core builds its request decoder (vllm_frontend.py)",
+        "when the engine core is built, before its executor (vllm_frontend.py)",
         _text,
     ),
     Variable(
