@@ -362,11 +362,12 @@ class LocalReaderEnd(_ReaderEnd):
                 self.arena = ShmTensorArena.attach(handle.tensor_arena_handle, index)
             if handle.blob_arena_handle is not None:
                 self.blob_region = ShmTensorArena.attach(handle.blob_arena_handle, index)
-            self.frontend = self._attach_frontend(handle, index)
             self.ring = _C.MessageRingReader(name, index, shm_dir)
             # Readers copy ring frames out too: leave the others (and the writer) a CPU.
             _C.set_copy_readers(len(handle.local_reader_ranks))
             self.socket = ReaderSocket(self.lifecycle, self.keys, handle.local_subscribe_addr, True)
+            # Last, and never failing the join: a counted arena's rank attaches once for good.
+            self.frontend = self._attach_frontend(handle, index)
         except BaseException:
             self.lifecycle.abandon()  # half built: release now
             raise

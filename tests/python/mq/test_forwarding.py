@@ -300,3 +300,26 @@ def test_a_forward_stub_is_listed_in_frame_0():
     finally:
         _shutdown(w, rs)
         fe.close()
+
+
+def test_a_join_that_fails_leaves_the_frontend_rank_for_its_retry(fe):
+    import dataclasses
+
+    w = MessageQueue(2, 2, enable_shm_tensor_arena=True)
+    rs = []
+    try:
+        h = w.export_handle()
+        name, shm_dir = h.buffer_handle
+        bad = dataclasses.replace(h, buffer_handle=(name + "x", shm_dir))  # no such ring
+        with pytest.raises(Exception):  # noqa: B017  (whatever the ring's attach raises)
+            MessageQueue.create_from_handle(bad, 0)
+        # A counted arena's rank attaches once for good: the failed join never took it.
+        assert fe.writer.arena.reader_state(1) == "never_attached"
+        rs = [MessageQueue.create_from_handle(h, i) for i in range(2)]
+        ready_in_threads(w, rs)
+        t = fe.held(3)
+        w.enqueue({"t": t})
+        assert all(int(r.dequeue(timeout=10)["t"][0]) == 3 for r in rs)
+        assert w.stats()["arena"]["forwarded"] == 1
+    finally:
+        _shutdown(w, rs)
