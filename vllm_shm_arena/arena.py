@@ -389,7 +389,11 @@ class ShmTensorArenaWriter(ShmTensorArena):
         ``reader.forward`` per stub, while every one of ``reader``'s ranks 1..``ranks`` (this
         arena's readers, each attached to ``reader``'s arena as rank 1 + its own) is attached.
         Call it before the first message is pickled; reducers made earlier do not forward."""
-        if not isinstance(reader, ShmTensorArenaReader) or not reader.counted or reader.rank:
+        if (
+            not isinstance(reader, ShmTensorArenaReader)
+            or not reader.handle().counted
+            or reader._rank
+        ):
             raise ValueError("forward_from takes reader 0 of a counted arena")
         if not 1 <= ranks < reader.handle().n_readers:
             raise ValueError(
@@ -400,11 +404,6 @@ class ShmTensorArenaWriter(ShmTensorArena):
     def count_forwards(self, n: int) -> None:
         """``n`` forward stubs went out in a message (``stats()["forwarded"]``)."""
         self._forwards_sent += n
-
-    @property
-    def forwards_from(self) -> ShmTensorArenaReader | None:
-        """The reader ``forward_from`` set, or None."""
-        return None if self._forward is None else self._forward[0]
 
     def take_back_forwards(self, forwarded: list) -> None:
         """Takes back the forwards of a message that did not go: the ``forwarded`` list its
@@ -573,16 +572,6 @@ class ShmTensorArenaReader(ShmTensorArena):
             int(offset),
             int(stubs),
         )
-
-    @property
-    def rank(self) -> int:
-        """This reader's rank."""
-        return self._rank
-
-    @property
-    def counted(self) -> bool:
-        """Whether the arena is counted (``ArenaHandle.counted``)."""
-        return bool(self._handle.counted)
 
     def forward(self, slot: int, generation: int) -> None:
         """Counted arenas, reader 0, while it holds ``(slot, generation)``: one more stub of it

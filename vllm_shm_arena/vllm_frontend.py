@@ -288,10 +288,10 @@ def _report(writer: frontend.FrontendWriter) -> None:
     if now - _reported_at < REPORT_EVERY_S or not metrics.enabled():
         return
     _reported_at = now
-    arena = writer.arena
+    fa = writer.arena  # (``arena`` is the module)
     try:
-        arena.reclaim(check_liveness=False)
-        s = arena.stats(holdings=False)
+        fa.reclaim(check_liveness=False)
+        s = fa.stats(holdings=False)
     except Exception:  # noqa: BLE001  (closed at exit: metrics never fail a send)
         return
     c = writer.counters

@@ -239,7 +239,8 @@ def _engine_core_builds_its_executor(raw_handle, installed_by, conn):
             source = vllm_frontend._provider.reader if vllm_frontend._provider else None
             q = MessageQueue(2, 2, enable_shm_tensor_arena=True)
             forwards = q.export_handle().frontend_arena_handle is not None
-            took = q._end.arena.forwards_from is source and source is not None
+            named = q.export_handle().frontend_arena_handle
+            took = source is not None and named is not None and named.name == source.name
             q.shutdown()
             raise _Built((forwards, took, arena_mod.take_forward_source() is None))
 

@@ -395,10 +395,6 @@ class WriterEnd(End):
             # the caller "not sent" about a message readers can see.
             if sending.done or self.committed(sending):
                 note_sent(e)
-            elif sending.forwarded and self.arena is not None:
-                # Not sent, and settle may have been cut short: the list holds only the
-                # forwards still counted, so none is taken back twice.
-                self.arena.take_back_forwards(sending.forwarded)
             raise
 
     def _send_locked(self, obj: Any, deadline: float | None, sending: Sending) -> None:
