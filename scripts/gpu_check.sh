@@ -61,7 +61,7 @@ cmake -S tests/cpp -B build/cpp >/dev/null 2>&1 && cmake --build build/cpp -j"$(
   --target fakecudart copy_bench >/dev/null 2>&1
 
 section "cuda tests" 90 $PY -m pytest -q -p no:cacheprovider -rs tests/python/test_cuda_gpu.py \
-  tests/python/test_cuda_fake.py 2>&1 | tee "$OUT/cuda_tests.txt"
+  tests/python/test_cuda_fake.py tests/python/mq/test_forwarding.py 2>&1 | tee "$OUT/cuda_tests.txt"
 
 section "gpu_h2d" 60 $PY benchmarks/gpu_h2d.py --out "$OUT" 2>&1 | tee "$OUT/gpu_h2d.txt"
 

@@ -549,6 +549,7 @@ class ShmTensorArenaReader(ShmTensorArena):
         generation: int | None = None,
         offset: int = 0,
         stubs: int = 1,
+        pin: bool = True,
     ) -> torch.Tensor:
         """A tensor whose storage *is* the slot (zero bytes copied).
 
@@ -557,7 +558,8 @@ class ShmTensorArenaReader(ShmTensorArena):
         finds the DMA done. ``generation`` (from the stub) guards against stale stubs; without
         it the slot's current generation is used. ``stubs`` (counted arenas): how many stubs
         this reader was sent that the tensor stands for, acked when the slot's last view here
-        dies; 0 only under a view that counted its stub.
+        dies; 0 only under a view that counted its stub. ``pin=False``: never pinned, so its
+        release never waits for a ``flush_releases`` (for a reader that nothing flushes).
         """
         r = self._checked()
         if not isinstance(dtype, torch.dtype):
@@ -568,7 +570,7 @@ class ShmTensorArenaReader(ShmTensorArena):
             int(nbytes),
             dtype,
             list(shape),
-            self._pin_next(),
+            pin and self._pin_next(),
             int(offset),
             int(stubs),
         )

@@ -220,8 +220,8 @@ def is_stub(data: Any) -> bool:
 
 
 class StubProvider:
-    """The engine core's end (reader 0): stub dicts back into zero-copy tensors, each one
-    counted stub, held until its last view dies. ``provider(dtype, shape, data)`` is vLLM's
+    """The engine core's end (reader 0): stub dicts back into zero-copy, unpinned tensors,
+    each one counted stub, held until its last view dies. ``provider(dtype, shape, data)`` is vLLM's
     ``OOBTensorProvider`` signature; ``fallback`` (another provider) takes placeholders that
     are not this module's stubs."""
 
@@ -258,6 +258,9 @@ class StubProvider:
             generation=fields["gen"],
             offset=fields["off"],
             stubs=1,
+            # Unpinned: nothing in the engine core flushes this reader's gated releases (with
+            # a CUDA context there, a pinned tensor's slot would never come back).
+            pin=False,
         )
 
     def close(self) -> None:

@@ -5,6 +5,8 @@
 * ``make_arena`` / ``arena``: a small writer arena with attached readers, closed afterwards.
 * ``run_py``: runs a Python snippet in a fresh interpreter -> ``(returncode, stdout, stderr)``.
 * ``dtype``: any test taking a ``dtype`` argument runs for every dtype a stub can carry.
+* ``fake`` / ``context``: the fake CUDA runtime (tests/fake_cudart, built by the test command)
+  loaded in place of the real one, and "this process has a CUDA context" forced.
 """
 
 from __future__ import annotations
@@ -86,6 +88,38 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize(
             "dtype", ALL_DTYPES, ids=[str(d).removeprefix("torch.") for d in ALL_DTYPES]
         )
+
+
+#: The fake CUDA runtime the test command builds (tests/fake_cudart/fake_cudart.c).
+FAKE_CUDART = str(REPO / "build" / "cpp" / "libfakecudart.so")
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """The fake CUDA runtime, loaded through VLLM_SHM_ARENA_CUDART where the shim would
+    otherwise find the real one; reset before and after the test."""
+    if not os.path.exists(FAKE_CUDART):
+        pytest.skip(f"fake CUDA runtime not built ({FAKE_CUDART}); run make test")
+    import ctypes
+
+    monkeypatch.setenv("VLLM_SHM_ARENA_CUDART", FAKE_CUDART)
+    lib = ctypes.CDLL(FAKE_CUDART)
+    for name in ("fake_cudart_registered_bytes", "fake_cudart_register_count"):
+        getattr(lib, name).restype = ctypes.c_size_t
+    lib.fake_cudart_register_count.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.fake_cudart_last_record_stream.restype = ctypes.c_void_p
+    lib.fake_cudart_reset()
+    yield lib
+    lib.fake_cudart_reset()
+
+
+@pytest.fixture
+def context(monkeypatch):
+    """ "This process has a CUDA context", which torch.cuda.is_initialized() would say on a
+    GPU machine: the arena pins what it hands out."""
+    import vllm_shm_arena.arena as arena_mod
+
+    monkeypatch.setattr(arena_mod, "_cuda_seen", True)
 
 
 @pytest.fixture

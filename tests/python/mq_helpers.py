@@ -524,6 +524,57 @@ def drop_inherited_writer(box):
     gc.collect()
 
 
+# ------------------------------------------------------------------------ forwarding
+FORWARD_N = 512 << 10  # int32 elements: 2 MiB, over the frontend and queue arenas' thresholds
+
+
+class Frontend:
+    """A frontend arena for ``n_workers`` and this process as its reader 0 (the engine
+    core's part), named the forward source; ``held(k)`` is a tensor this process holds from it
+    (filled with ``k``), as the engine core holds a multimodal item."""
+
+    def __init__(self, n_workers: int) -> None:
+        from vllm_shm_arena import arena as arena_mod
+        from vllm_shm_arena.frontend import FrontendWriter, StubProvider
+
+        self._arena_mod = arena_mod
+        self.writer = FrontendWriter(n_workers, 64 * MiB, max_allocations=64)
+        self.provider = StubProvider(self.writer.handle())
+        arena_mod.set_forward_source(self.provider.reader)
+
+    def held(self, k: int, n: int = FORWARD_N) -> torch.Tensor:
+        loan = self.writer.fill(torch.full((n,), k, dtype=torch.int32))
+        consumer = self.writer.consumer()
+        consumer.new_message()
+        return self.provider("int32", [n], consumer(loan))
+
+    def in_use(self) -> int:
+        gc.collect()
+        self.writer.arena.reclaim(check_liveness=False)
+        return self.writer.arena.stats(holdings=False)["in_use"]
+
+    def owed(self, rank: int) -> int:
+        return self.writer.arena.stats()["holdings"][rank]["owed"]
+
+    def close(self) -> None:
+        self._arena_mod.set_forward_source(None)
+        self.provider.close()
+        self.writer.arena.close()
+
+
+def queue_with_readers(n: int = 2, **kw):
+    """An arena queue with ``n`` same-process readers, ready."""
+    w = MessageQueue(n, n, enable_shm_tensor_arena=True, **kw)
+    rs = [MessageQueue.create_from_handle(w.export_handle(), i) for i in range(n)]
+    ready_in_threads(w, rs)
+    return w, rs
+
+
+def shutdown_all(w, rs) -> None:
+    for q in (w, *rs):
+        q.shutdown()
+
+
 def main(argv: list[str]) -> None:
     logging_level = os.environ.get("VSA_LOG")
     if logging_level:

@@ -19,12 +19,10 @@ import textwrap
 
 import pytest
 import torch
+from conftest import FAKE_CUDART as FAKE
 
 import vllm_shm_arena.arena as arena_mod
 from vllm_shm_arena import ShmTensorArena
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FAKE = os.path.join(ROOT, "build", "cpp", "libfakecudart.so")
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists(FAKE), reason=f"fake CUDA runtime not built ({FAKE}); run make test"
@@ -32,24 +30,6 @@ pytestmark = pytest.mark.skipif(
 
 SLOT = 4 << 20
 STREAM = 0x5EED  # any non-null cudaStream_t value; the fake only records it
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    monkeypatch.setenv("VLLM_SHM_ARENA_CUDART", FAKE)
-    lib = ctypes.CDLL(FAKE)
-    for name in ("fake_cudart_registered_bytes", "fake_cudart_register_count"):
-        getattr(lib, name).restype = ctypes.c_size_t
-    lib.fake_cudart_register_count.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    lib.fake_cudart_last_record_stream.restype = ctypes.c_void_p
-    lib.fake_cudart_reset()
-    yield lib
-    lib.fake_cudart_reset()
-
-
-@pytest.fixture
-def context(monkeypatch):
-    monkeypatch.setattr(arena_mod, "_cuda_seen", True)
 
 
 def _pair(num_slots=2):

@@ -1,4 +1,5 @@
-"""The arena on a real GPU: pinned slots, and event-gated release under a live async H2D.
+"""The arena on a real GPU: pinned slots, and event-gated release under a live async H2D, for
+the queue's arena and for tensors forwarded from a frontend arena.
 
 Skipped without CUDA. On the lent GPU machine, scripts/gpu_check.sh runs these.
 """
@@ -9,6 +10,7 @@ import time
 
 import pytest
 import torch
+from mq_helpers import Frontend, queue_with_readers, shutdown_all
 
 from vllm_shm_arena import ShmTensorArena
 
@@ -82,3 +84,34 @@ def test_slot_is_not_reused_while_its_dma_runs():
     assert declined > 0, "the writer got the slot back before the DMA could have finished"
     assert torch.equal(g, _expected_a().cuda()), "GPU received overwritten bytes"
     assert w.stats()["declined"]["no_free_slot"] == declined
+
+
+def test_forwarded_tensors_are_pinned_and_their_slot_waits_for_every_workers_dma():
+    fe = Frontend(2)
+    w, rs = queue_with_readers()
+    try:
+        n = SIZE // 4
+        t = fe.held(0x5A5A5A5A, n)
+        assert not t.is_pinned()  # the engine core's view: nothing there flushes releases
+        w.enqueue(t)
+        got = [r.dequeue(timeout=10) for r in rs]
+        assert all(g.is_pinned() for g in got)
+        assert w.stats()["arena"]["hits"] == 0  # by reference, not copied
+        torch.cuda._sleep(STALL_CYCLES)  # the H2Ds below start only after this kernel
+        on_gpu = [g.to("cuda", non_blocking=True) for g in got]
+        del t, got
+
+        def tick():  # one message: each worker's dequeue records its event, then polls
+            w.enqueue("tick")
+            assert [r.dequeue(timeout=10) for r in rs] == ["tick", "tick"]
+
+        tick()
+        assert fe.in_use() == 1, "the frontend slot came back while the DMA had not started"
+        torch.cuda.synchronize()
+        tick()
+        assert fe.in_use() == 0
+        want = torch.full((n,), 0x5A5A5A5A, dtype=torch.int32, device="cuda")
+        assert all(torch.equal(g, want) for g in on_gpu)
+    finally:
+        shutdown_all(w, rs)
+        fe.close()

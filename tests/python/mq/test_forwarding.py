@@ -11,50 +11,29 @@ the tensor copied as before. Interrupts at every bytecode: test_interrupts.py (k
 
 from __future__ import annotations
 
-import gc
+import ctypes
 import multiprocessing
 import random
+import types
 
 import pytest
 import torch
-from mq_helpers import Boom, Kids, MiB, ready_in_threads, wait_until
+from mq_helpers import (
+    FORWARD_N,
+    Boom,
+    Frontend,
+    Kids,
+    queue_with_readers,
+    ready_in_threads,
+    shutdown_all,
+    wait_until,
+)
 
 from vllm_shm_arena import MessageQueue
 from vllm_shm_arena import arena as arena_mod
-from vllm_shm_arena.frontend import FrontendWriter, StubProvider
 from vllm_shm_arena.mq import protocol
 
-N = 512 << 10  # int32 elements: 2 MiB, over the frontend and queue arenas' thresholds
-
-
-class Frontend:
-    """A frontend arena for ``n_workers`` and this process as its reader 0 (the engine
-    core's part), named the forward source; ``held(k)`` is a tensor this process holds from it
-    (filled with ``k``), as the engine core holds a multimodal item."""
-
-    def __init__(self, n_workers: int) -> None:
-        self.writer = FrontendWriter(n_workers, 64 * MiB, max_allocations=64)
-        self.provider = StubProvider(self.writer.handle())
-        arena_mod.set_forward_source(self.provider.reader)
-
-    def held(self, k: int, n: int = N) -> torch.Tensor:
-        loan = self.writer.fill(torch.full((n,), k, dtype=torch.int32))
-        consumer = self.writer.consumer()
-        consumer.new_message()
-        return self.provider("int32", [n], consumer(loan))
-
-    def in_use(self) -> int:
-        gc.collect()
-        self.writer.arena.reclaim(check_liveness=False)
-        return self.writer.arena.stats(holdings=False)["in_use"]
-
-    def owed(self, rank: int) -> int:
-        return self.writer.arena.stats()["holdings"][rank]["owed"]
-
-    def close(self) -> None:
-        arena_mod.set_forward_source(None)
-        self.provider.close()
-        self.writer.arena.close()
+N = FORWARD_N
 
 
 @pytest.fixture
@@ -64,20 +43,8 @@ def fe():
     f.close()
 
 
-def _queue_with_readers(n: int = 2, **kw):
-    w = MessageQueue(n, n, enable_shm_tensor_arena=True, **kw)
-    rs = [MessageQueue.create_from_handle(w.export_handle(), i) for i in range(n)]
-    ready_in_threads(w, rs)
-    return w, rs
-
-
-def _shutdown(w, rs) -> None:
-    for q in (w, *rs):
-        q.shutdown()
-
-
 def test_a_held_tensor_goes_by_reference_and_frees_once_everyone_let_go(fe):
-    w, rs = _queue_with_readers()
+    w, rs = queue_with_readers()
     try:
         assert w.export_handle().frontend_arena_handle is not None
         assert arena_mod.take_forward_source() is None  # the queue took it
@@ -114,11 +81,57 @@ def test_a_held_tensor_goes_by_reference_and_frees_once_everyone_let_go(fe):
         del t, outs
         assert fe.in_use() == 0
     finally:
-        _shutdown(w, rs)
+        shutdown_all(w, rs)
+
+
+def _registered(fake, t: torch.Tensor) -> bool:
+    return fake.fake_cudart_is_registered(ctypes.c_void_p(t.data_ptr()), t.nbytes) == 1
+
+
+def test_a_pinned_worker_frees_a_forwarded_slot_only_after_its_copy_to_the_gpu(
+    fake, context, fe, monkeypatch
+):
+    # Workers with a CUDA context (forced; the fake runtime stands in for CUDA, and
+    # test_cuda_gpu.py does the same on a real GPU): a forwarded tensor is a pinned view of
+    # the frontend arena's pages, and its slot comes back only once the event each worker
+    # recorded after its H2D has completed, the record and the poll done by dequeue.
+    fake.fake_cudart_hold_events(1)
+    stream = types.SimpleNamespace(cuda_stream=0x5EED)  # the fake only records it
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    w, rs = queue_with_readers()
+    try:
+        t = fe.held(4)
+        w.enqueue(t)
+        got = [r.dequeue(timeout=10) for r in rs]
+        assert all(_registered(fake, g) and int(g[7]) == 4 for g in got)
+        assert w.stats()["arena"]["hits"] == 0
+        del t, got
+
+        def tick() -> None:  # one message: each worker's dequeue flushes its releases
+            w.enqueue("tick")
+            assert [r.dequeue(timeout=10) for r in rs] == ["tick", "tick"]
+
+        tick()
+        assert fe.in_use() == 1, "a forwarded slot came back before its copy to the GPU ended"
+        fake.fake_cudart_complete_all()
+        tick()
+        assert fe.in_use() == 0
+    finally:
+        shutdown_all(w, rs)
+
+
+def test_the_engine_cores_tensors_are_unpinned_even_with_a_cuda_context(fake, context, fe):
+    # Nothing in the engine core flushes its frontend reader's gated releases: a pinned
+    # tensor there (a CUDA context in the engine core: an in-process executor) would keep
+    # its slot for good.
+    t = fe.held(3)
+    assert not _registered(fake, t)
+    del t
+    assert fe.in_use() == 0
 
 
 def test_a_message_that_fails_to_unpickle_acks_its_forwards(fe):
-    w, rs = _queue_with_readers()
+    w, rs = queue_with_readers()
     try:
         t = fe.held(1)
         w.enqueue([t, Boom()])
@@ -131,11 +144,11 @@ def test_a_message_that_fails_to_unpickle_acks_its_forwards(fe):
         w.enqueue({"t": t})  # the queue goes on
         assert all(int(r.dequeue(timeout=10)["t"][0]) == 2 for r in rs)
     finally:
-        _shutdown(w, rs)
+        shutdown_all(w, rs)
 
 
 def test_a_message_that_did_not_go_takes_its_forwards_back(fe):
-    w, rs = _queue_with_readers(max_chunks=1)
+    w, rs = queue_with_readers(max_chunks=1)
     try:
         w.enqueue("fills the only chunk")
         t = fe.held(3)
@@ -147,11 +160,11 @@ def test_a_message_that_did_not_go_takes_its_forwards_back(fe):
         assert fe.in_use() == 0
         assert [r.dequeue(timeout=10) for r in rs] == ["fills the only chunk"] * 2
     finally:
-        _shutdown(w, rs)
+        shutdown_all(w, rs)
 
 
 def test_a_worker_not_attached_gets_the_tensor_copied(fe):
-    w, rs = _queue_with_readers()
+    w, rs = queue_with_readers()
     try:
         rs[1]._end.frontend.close()  # detached: the writer forwards no more
         t = fe.held(4)
@@ -164,7 +177,7 @@ def test_a_worker_not_attached_gets_the_tensor_copied(fe):
         del t, outs
         assert fe.in_use() == 0
     finally:
-        _shutdown(w, rs)
+        shutdown_all(w, rs)
 
 
 def test_only_a_queue_of_the_frontend_arenas_workers_forwards(fe):
@@ -174,7 +187,7 @@ def test_only_a_queue_of_the_frontend_arenas_workers_forwards(fe):
     try:
         assert other.export_handle().frontend_arena_handle is None
         assert no_arena.export_handle().frontend_arena_handle is None
-        w, rs = _queue_with_readers()
+        w, rs = queue_with_readers()
         try:
             assert w.export_handle().frontend_arena_handle is not None
             # Taken once: a second queue of the same shape does not forward.
@@ -182,14 +195,14 @@ def test_only_a_queue_of_the_frontend_arenas_workers_forwards(fe):
             assert again.export_handle().frontend_arena_handle is None
             again.shutdown()
         finally:
-            _shutdown(w, rs)
+            shutdown_all(w, rs)
     finally:
         other.shutdown()
         no_arena.shutdown()
 
 
 def test_a_reader_without_the_frontend_arena_refuses_a_forward_clearly(fe):
-    w, rs = _queue_with_readers()
+    w, rs = queue_with_readers()
     try:
         front = rs[0]._end.frontend
         rs[0]._end.frontend = None  # as if its attach had failed, while the writer forwards
@@ -203,7 +216,7 @@ def test_a_reader_without_the_frontend_arena_refuses_a_forward_clearly(fe):
         del t
         assert fe.in_use() == 0
     finally:
-        _shutdown(w, rs)
+        shutdown_all(w, rs)
 
 
 def t_pair(fe: Frontend, t: torch.Tensor) -> tuple[int, int]:
@@ -280,7 +293,7 @@ def test_workers_in_their_own_processes_resolve_forwards_and_free_every_slot(see
 
 def test_a_forward_stub_is_listed_in_frame_0():
     fe = Frontend(1)
-    w, rs = _queue_with_readers(1)
+    w, rs = queue_with_readers(1)
     try:
         t = fe.held(9)
         d = arena_mod  # the pickler with the queue's arena and its forward source
@@ -298,7 +311,7 @@ def test_a_forward_stub_is_listed_in_frame_0():
         del t
         assert fe.in_use() == 0
     finally:
-        _shutdown(w, rs)
+        shutdown_all(w, rs)
         fe.close()
 
 
@@ -322,4 +335,4 @@ def test_a_join_that_fails_leaves_the_frontend_rank_for_its_retry(fe):
         assert all(int(r.dequeue(timeout=10)["t"][0]) == 3 for r in rs)
         assert w.stats()["arena"]["forwarded"] == 1
     finally:
-        _shutdown(w, rs)
+        shutdown_all(w, rs)
