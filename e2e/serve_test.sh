@@ -16,10 +16,12 @@
 #        "nodes" (e2e/netns_nodes.sh), TP=4 as 2 + 2, flag on vs off; writes
 #        benchmarks/results/serve_multinode/serve_multinode.{md,json}. About 7 minutes here.
 #
-# frontend-ab: (`make serve-frontend-ab`) e2e/frontend_cpu_ab.py: the engine core's and the API
-#        server's CPU per new image, and the engine core's memory growth, with the frontend
-#        arena and with VLLM_SHM_ARENA_FRONTEND=0; writes
-#        benchmarks/results/serve_test/frontend_cpu_ab.{md,json}. About 4 minutes here.
+# frontend-ab: (`make serve-frontend-ab`) e2e/frontend_cpu_ab.py: per new image, where its bytes
+#        are copied (the serve probe, e2e/serve_probe, installed here), the engine core's and
+#        the API server's CPU, the broadcast enqueue's time and the engine core's memory
+#        growth, for the frontend arena, the plugin without it, stock vLLM with its LRU and
+#        with its shm cache, interleaved round by round; writes
+#        benchmarks/results/serve_test/frontend_cpu_ab.{md,json}. About 20 minutes here.
 #
 # Not part of `make test` / .ci/run: the venv is ~3.5 GB and each server takes about a minute
 # to start on two cores.
@@ -96,7 +98,12 @@ case "$stage" in
   run) run "$@" ;;
   all) setup && model && run "$@" ;;
   multinode) setup && multinode "$@" ;;
-  frontend-ab) setup && model && exec "$PY" e2e/frontend_cpu_ab.py --model "$MODEL_DIR" "$@" ;;
+  frontend-ab)
+    setup && model || exit 1
+    # The test-only probe plugin (inert unless VSA_SERVE_PROBE_DIR is set).
+    "$PY" -m pip install -q --no-deps --no-build-isolation e2e/serve_probe || exit 1
+    exec "$PY" e2e/frontend_cpu_ab.py --model "$MODEL_DIR" "$@"
+    ;;
   *)
     echo "usage: $0 [setup|model|run|all|multinode|frontend-ab] [driver arguments]" >&2
     exit 2

@@ -1,0 +1,211 @@
+"""A test-only vLLM general plugin for ``make serve-frontend-ab`` (e2e/frontend_cpu_ab.py):
+in every process of a ``vllm serve`` it wraps the calls that move a multimodal item's bytes
+and writes what it counted to ``$VSA_SERVE_PROBE_DIR/<pid>.json`` four times a second.
+Inactive (it wraps nothing) unless that variable is set. Never part of the package.
+
+What it counts, per process (``counts``; bytes of tensors or frames of at least 1 MiB, "big"):
+* ``send_input_big_bytes``: frames the API server's client sends to the engine core
+  (``AsyncMPClient._send_input_message``); each byte is copied twice on the way (the socket
+  send and the engine core's receive).
+* ``decode_big_bytes``: frames the engine core's ``MsgpackDecoder.decode`` takes in.
+* ``shm_store_put_bytes``: bytes vLLM's shm multimodal cache writes
+  (``SingleWriterShmObjectStorage.copy_to_buffer`` in ``put``, the serialized item: one
+  copy).
+* ``reduce_copied_bytes``: bytes ``BaseMultiModalField.reduce_data`` returns outside its
+  inputs' storage (a copy made when a batch is built).
+* ``enqueue_big_bytes``: big tensors in the objects the broadcast queue's ``enqueue`` sends
+  (vLLM's ``MessageQueue`` or this project's); how many bytes each config then copies is the
+  queue's own business (its stats), this says only what it was handed.
+``enqueue``: one ``[seconds, big_bytes]`` per call of either queue's ``enqueue`` (the engine
+core's broadcast of each step), so a harness compares the steps carrying an image with the
+others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+_BIG = 1 << 20
+_counts: dict[str, int] = {}
+_enqueue: list[list[float]] = []
+_lock = threading.Lock()
+
+
+def _add(key: str, n: int) -> None:
+    if n:
+        with _lock:
+            _counts[key] = _counts.get(key, 0) + n
+
+
+def _frame_bytes(frames) -> int:
+    total = 0
+    for f in frames:
+        try:
+            n = memoryview(f).nbytes
+        except TypeError:
+            n = len(getattr(f, "buffer", b"")) if hasattr(f, "buffer") else 0
+        if n >= _BIG:
+            total += n
+    return total
+
+
+def _tensors(obj, out: list, seen: set, depth: int = 0) -> None:
+    """Every torch tensor reachable from ``obj`` (dicts, sequences, object attributes), at
+    most 12 levels down and 20,000 objects in all."""
+    import torch
+
+    if depth > 12 or len(seen) > 20000 or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+        return
+    if isinstance(obj, (str, bytes, bytearray, int, float, bool, type(None))):
+        return
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _tensors(v, out, seen, depth + 1)
+        return
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        for v in obj:
+            _tensors(v, out, seen, depth + 1)
+        return
+    fields = getattr(obj, "__dict__", None)
+    if fields is not None:
+        for v in fields.values():
+            _tensors(v, out, seen, depth + 1)
+    for name in getattr(type(obj), "__slots__", ()):
+        v = getattr(obj, name, None)
+        if v is not None:
+            _tensors(v, out, seen, depth + 1)
+
+
+def _big_tensor_bytes(obj) -> int:
+    found: list = []
+    _tensors(obj, found, set())
+    total = 0
+    for t in found:
+        n = t.numel() * t.element_size()
+        if n >= _BIG:
+            total += n
+    return total
+
+
+def _storages(obj) -> set:
+    found: list = []
+    _tensors(obj, found, set())
+    out = set()
+    for t in found:
+        try:
+            out.add(t.untyped_storage().data_ptr())
+        except RuntimeError:
+            pass
+    return out
+
+
+def _wrap(cls, name: str, make) -> None:
+    orig = cls.__dict__.get(name)
+    if orig is None or getattr(orig, "_vsa_probe", False):
+        return
+    wrapped = make(orig)
+    wrapped._vsa_probe = True
+    setattr(cls, name, wrapped)
+
+
+def _send_input(orig):
+    def wrapped(self, message, *a, **kw):
+        _add("send_input_big_bytes", _frame_bytes(message))
+        return orig(self, message, *a, **kw)
+
+    return wrapped
+
+
+def _decode(orig):
+    def wrapped(self, bufs):
+        if not isinstance(bufs, (bytes, bytearray, memoryview)):
+            _add("decode_big_bytes", _frame_bytes(bufs))
+        return orig(self, bufs)
+
+    return wrapped
+
+
+def _copy_to_buffer(orig):
+    def wrapped(self, data, data_bytes, *a, **kw):
+        _add("shm_store_put_bytes", int(data_bytes))
+        return orig(self, data, data_bytes, *a, **kw)
+
+    return wrapped
+
+
+def _reduce(orig):
+    def wrapped(self, elems, *a, **kw):
+        out = orig(self, elems, *a, **kw)
+        try:
+            inputs = _storages([e.data for e in elems])
+            found: list = []
+            _tensors(out, found, set())
+            copied = sum(
+                t.numel() * t.element_size()
+                for t in found
+                if t.device.type == "cpu" and t.untyped_storage().data_ptr() not in inputs
+            )
+            _add("reduce_copied_bytes", copied)
+        except Exception:  # a probe never breaks the server
+            _add("reduce_probe_errors", 1)
+        return out
+
+    return wrapped
+
+
+def _enqueue_timed(orig):
+    def wrapped(self, obj, *a, **kw):
+        t0 = time.perf_counter()
+        out = orig(self, obj, *a, **kw)
+        dt = time.perf_counter() - t0
+        big = _big_tensor_bytes(obj)
+        _add("enqueue_big_bytes", big)
+        with _lock:
+            if len(_enqueue) < 200000:
+                _enqueue.append([dt, big])
+        return out
+
+    return wrapped
+
+
+def _flush_forever(path: str) -> None:
+    while True:
+        time.sleep(0.25)
+        with _lock:
+            rec = {"pid": os.getpid(), "counts": dict(_counts), "enqueue": list(_enqueue)}
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(rec, f)
+        os.replace(tmp, path)
+
+
+def register() -> None:
+    out_dir = os.environ.get("VSA_SERVE_PROBE_DIR")
+    if not out_dir or getattr(register, "_done", 0) == os.getpid():
+        return
+    register._done = os.getpid()
+    from vllm.distributed.device_communicators import shm_broadcast, shm_object_storage
+    from vllm.multimodal import inputs
+    from vllm.v1 import serial_utils
+    from vllm.v1.engine import core_client
+
+    _wrap(core_client.AsyncMPClient, "_send_input_message", _send_input)
+    _wrap(serial_utils.MsgpackDecoder, "decode", _decode)
+    _wrap(shm_object_storage.SingleWriterShmObjectStorage, "copy_to_buffer", _copy_to_buffer)
+    _wrap(inputs.BaseMultiModalField, "reduce_data", _reduce)
+    _wrap(shm_broadcast.MessageQueue, "enqueue", _enqueue_timed)
+    try:
+        from vllm_shm_arena.message_queue import MessageQueue as Ours
+
+        _wrap(Ours, "enqueue", _enqueue_timed)
+    except ImportError:
+        pass
+    path = os.path.join(out_dir, f"{os.getpid()}.json")
+    threading.Thread(target=_flush_forever, args=(path,), daemon=True, name="vsa-probe").start()
