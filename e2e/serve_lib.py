@@ -105,7 +105,7 @@ def make_png(side: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
-def _post(url: str, body: dict, timeout: float):
+def post_json(url: str, body: dict, timeout: float):
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
@@ -138,7 +138,7 @@ def chat_stream(
     ttft = None
     per_choice: dict[int, tuple[list[int], list[float], list[str]]] = {}
     deadline = t0 + timeout
-    with _post(f"{base}/v1/chat/completions", body, timeout) as resp:
+    with post_json(f"{base}/v1/chat/completions", body, timeout) as resp:
         for raw in resp:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"chat completion took over {timeout:.0f} s")

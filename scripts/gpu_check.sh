@@ -60,6 +60,20 @@ echo "build rc=$? in $(($(date +%s) - start)) s" | tee -a "$OUT/build.log"
 cmake -S tests/cpp -B build/cpp >/dev/null 2>&1 && cmake --build build/cpp -j"$(nproc)" \
   --target fakecudart copy_bench >/dev/null 2>&1
 
+# A crash in the arena's write on this host is the first thing to know, with its backtrace
+# (cuda-gdb debugs host code where gdb is absent, as on the lent H200).
+log "arena write smoke"
+if ! timeout 60 $PY benchmarks/gpu_probe/arena_write_smoke.py 1 8 64 >"$OUT/write_smoke.txt" 2>&1; then
+  cat "$OUT/write_smoke.txt"
+  dbg=$(command -v gdb || command -v cuda-gdb || ls /usr/local/cuda/bin/cuda-gdb 2>/dev/null)
+  if [ -n "$dbg" ]; then
+    timeout 120 "$dbg" -q -batch -ex run -ex bt -ex "info registers rip" --args $PY \
+      benchmarks/gpu_probe/arena_write_smoke.py 1 8 64 2>&1 | grep -v "^\[New Thread\|^\[Thread" |
+      tail -60 | tee -a "$OUT/write_smoke.txt"
+  fi
+fi
+tail -3 "$OUT/write_smoke.txt"
+
 section "cuda tests" 90 $PY -m pytest -q -p no:cacheprovider -rs tests/python/test_cuda_gpu.py \
   tests/python/test_cuda_fake.py tests/python/mq/test_forwarding.py 2>&1 | tee "$OUT/cuda_tests.txt"
 

@@ -11,6 +11,10 @@ What it counts, per process (``counts``; bytes of tensors or frames of at least 
 * ``shm_store_put_bytes``: bytes vLLM's shm multimodal cache writes
   (``SingleWriterShmObjectStorage.copy_to_buffer`` in ``put``, the serialized item: one
   copy).
+* ``decode_tensor_copied_bytes``: tensors ``MsgpackDecoder._decode_tensor`` builds as a copy
+  of the bytes it was given (vLLM clones or pins them unless it shares an aux buffer's memory;
+  a tensor from an out-of-band provider, such as this project's frontend stubs, is not a
+  copy): the engine core's decode of a request, the workers' reads from vLLM's shm cache.
 * ``reduce_copied_bytes``: bytes ``BaseMultiModalField.reduce_data`` returns outside its
   inputs' storage (a copy made when a batch is built).
 * ``enqueue_big_bytes``: big tensors in the objects the broadcast queue's ``enqueue`` sends
@@ -140,6 +144,22 @@ def _copy_to_buffer(orig):
     return wrapped
 
 
+def _decode_tensor(orig):
+    def wrapped(self, arr):
+        out = orig(self, arr)
+        try:
+            data = arr[2]
+            shared = isinstance(data, int) and getattr(self, "share_mem", False)
+            n = out.numel() * out.element_size()
+            if not isinstance(data, dict) and not shared and n >= _BIG:
+                _add("decode_tensor_copied_bytes", n)
+        except Exception:  # a probe never breaks the server
+            _add("decode_tensor_probe_errors", 1)
+        return out
+
+    return wrapped
+
+
 def _reduce(orig):
     def wrapped(self, elems, *a, **kw):
         out = orig(self, elems, *a, **kw)
@@ -198,6 +218,7 @@ def register() -> None:
 
     _wrap(core_client.AsyncMPClient, "_send_input_message", _send_input)
     _wrap(serial_utils.MsgpackDecoder, "decode", _decode)
+    _wrap(serial_utils.MsgpackDecoder, "_decode_tensor", _decode_tensor)
     _wrap(shm_object_storage.SingleWriterShmObjectStorage, "copy_to_buffer", _copy_to_buffer)
     _wrap(inputs.BaseMultiModalField, "reduce_data", _reduce)
     _wrap(shm_broadcast.MessageQueue, "enqueue", _enqueue_timed)
