@@ -27,7 +27,11 @@ venv and the tiny model exist. For each configuration (``--enable-shm-tensor-are
   holds 4 large images; ``--no-eviction`` skips it): 8 new images, each copied once into the
   frontend arena and forwarded once; once they are done, at most 4 frontend slots in use (an
   evicted item's slot is free); the first image again is a miss, one new copy, the same
-  output; a clean stop;
+  output; a clean stop. Before those, on the same server (``--max-num-seqs 1``), abort while
+  waiting: a new image's request waits behind a long text request and its client goes away;
+  the request leaves the waiting queue while the text request still runs, its item was copied
+  once and forwarded to no worker (none owes it), vLLM's cache keeps it (one more slot in use),
+  and the eviction that follows frees its slot with the others;
 * no ``vsa_`` name is left in the private shm directory (or new in /dev/shm) after the stop;
 * the server stops cleanly: SIGINT, exit status 0 within ``--stop-timeout``, no process of
   its group left, no force-kill of the engine or a worker (``--shutdown-timeout`` gives them
@@ -42,6 +46,7 @@ the server's whole process group is killed and the log's tail printed.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import math
 import os
@@ -54,6 +59,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -65,6 +71,7 @@ from serve_lib import (  # e2e/, beside this file
     IMAGE_KINDS,
     MISMATCH_LINE,
     SAMPLE,
+    SERVED_NAME,
     CheckFailed,
     ImageRequest,
     ProcessGroup,
@@ -406,13 +413,95 @@ FRONTEND_IN_USE = "vllm:shm_arena_frontend_slots_in_use"
 FRONTEND_FILLED = "vllm:shm_arena_frontend_filled_total"
 
 
+#: The abort run's long text request: tokens it generates (it keeps the only sequence slot,
+#: ``--max-num-seqs 1``, while the image request waits behind it).
+ABORT_LONG_TOKENS = 3000
+
+
+def vllm_gauge(base: str, name: str) -> float:
+    """The sum of ``name``'s samples (every label set) in vLLM's ``/metrics``."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = SAMPLE.match(line.strip()) if line.startswith(name) else None
+        if m and m.group("name") == name:
+            total += float(m.group("v"))
+    return total
+
+
+def wait_for(what: str, cond, timeout: float) -> float:
+    """Polls ``cond()`` every 20 ms; the seconds it took, or CheckFailed after ``timeout``."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise CheckFailed(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def abort_while_waiting(srv: Server, args: argparse.Namespace, r: ImageRequest) -> dict[str, Any]:
+    """A long text request takes the only sequence slot; a request with the new image ``r``
+    then waits behind it until its client closes the connection (vLLM aborts it). What the
+    frontend arena did with its item, from ``/metrics`` settled before and after."""
+    before = settle_metrics(srv, args)
+    long_req: dict[str, Any] = {}
+
+    def long_text() -> None:
+        try:
+            chat_stream(
+                srv.base,
+                [{"type": "text", "text": "Count."}],
+                args.seed,
+                ABORT_LONG_TOKENS,
+                args.request_timeout,
+            )
+        except Exception as e:  # noqa: BLE001  (recorded, checked below)
+            long_req["error"] = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=long_text, daemon=True)
+    t.start()
+    running = "vllm:num_requests_running"
+    waiting = "vllm:num_requests_waiting"
+    wait_for("the long text request to run", lambda: vllm_gauge(srv.base, running) >= 1, 60)
+    body = {
+        "model": SERVED_NAME,
+        "messages": [{"role": "user", "content": image_content(prepare(r, args))}],
+        "temperature": 0.0,
+        "max_tokens": 4,
+        "stream": True,
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+    conn.request(
+        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+    )
+    queued_s = wait_for("the image request to wait", lambda: vllm_gauge(srv.base, waiting), 60)
+    conn.close()  # the client goes away: vLLM aborts the request
+    gone_s = wait_for("the request to leave", lambda: not vllm_gauge(srv.base, waiting), 30)
+    long_running = t.is_alive()
+    t.join(args.request_timeout)
+    after = settle_metrics(srv, args)
+    return {
+        "queued_s": queued_s,
+        "left_waiting_queue_s": gone_s,
+        "long_request_still_running": long_running,
+        "long_request_error": long_req.get("error"),
+        "filled": int(after.get(FRONTEND_FILLED, 0) - before.get(FRONTEND_FILLED, 0)),
+        "forwarded": _forwarded_total(after) - _forwarded_total(before),
+        "in_use_before": int(before.get(FRONTEND_IN_USE, -1)),
+        "in_use_after": int(after.get(FRONTEND_IN_USE, -1)),
+    }
+
+
 def run_eviction(args: argparse.Namespace, seed_base: int) -> dict[str, Any]:
     """A server whose multimodal cache holds ``EVICTION_CACHED`` large images gets
     ``EVICTION_IMAGES`` new ones, then the first again; per request, the frontend arena's
     copies, the forwards, the queue-arena hits and its slots in use (``/metrics``, settled)."""
     log_path = os.path.join(args.log_dir, "serve_eviction.log")
     srv = Server(args, "eviction", "--enable-shm-tensor-arena", log_path)
-    srv.cmd += ["--mm-processor-cache-gb", str(EVICTION_CACHE_GB)]
+    # One sequence at a time (the last --max-num-seqs given wins): the abort run's image
+    # request waits behind its long text request.
+    srv.cmd += ["--mm-processor-cache-gb", str(EVICTION_CACHE_GB), "--max-num-seqs", "1"]
     side = IMAGE_KINDS["large"]
     plan = [ImageRequest("evict", i, side, seed_base + 500 + i, False) for i in range(8)]
     plan.append(ImageRequest("evict", len(plan), side, plan[0].seed, False))  # the first again
@@ -420,6 +509,9 @@ def run_eviction(args: argparse.Namespace, seed_base: int) -> dict[str, Any]:
     try:
         print(f"serve-test [eviction]: starting vllm serve (cache {EVICTION_CACHE_GB} GB)")
         srv.start()
+        aborted = ImageRequest("abort", 0, side, seed_base + 600, False)
+        rec["abort"] = abort_while_waiting(srv, args, aborted)
+        print(f"serve-test [eviction]: abort while waiting: {json.dumps(rec['abort'])}")
         prev = settle_metrics(srv, args)
         for r in plan:
             res = chat_stream(
@@ -453,6 +545,23 @@ def eviction_checks(rec: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
     """What the eviction run must show (``run_eviction``)."""
     rows = rec["requests"]
     out = [("eviction", "server started, requests answered", not rec["errors"], str(rec["errors"]))]
+    ab = rec.get("abort")
+    if ab is not None:
+        out.append(
+            (
+                "eviction",
+                "abort while waiting: the image request waited behind the long text request "
+                "and left the queue while that one still ran; its item was copied once into "
+                "the frontend arena, forwarded to no worker, and is held by vLLM's cache alone "
+                "(one more slot in use)",
+                ab["long_request_still_running"]
+                and ab["long_request_error"] is None
+                and ab["filled"] == 1
+                and ab["forwarded"] == 0
+                and ab["in_use_after"] == ab["in_use_before"] + 1,
+                json.dumps(ab),
+            )
+        )
     if len(rows) != EVICTION_IMAGES + 1:
         return out
     new, again = rows[:-1], rows[-1]
@@ -467,7 +576,8 @@ def eviction_checks(rec: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
         (
             "eviction",
             f"frontend slots in use once finished <= {EVICTION_CACHED} (vLLM's cache holds "
-            f"{EVICTION_CACHED}; an evicted item's slot is free)",
+            f"{EVICTION_CACHED}; an evicted item's slot is free, the aborted request's "
+            "included)",
             0 <= new[-1]["in_use"] <= EVICTION_CACHED,
             json.dumps([r["in_use"] for r in rows]),
         ),
