@@ -144,40 +144,42 @@ def _copy_to_buffer(orig):
     return wrapped
 
 
-def _decode_tensor(orig):
-    def wrapped(self, arr):
-        out = orig(self, arr)
-        try:
-            data = arr[2]
-            shared = isinstance(data, int) and getattr(self, "share_mem", False)
-            n = out.numel() * out.element_size()
-            if not isinstance(data, dict) and not shared and n >= _BIG:
-                _add("decode_tensor_copied_bytes", n)
-        except Exception:  # a probe never breaks the server
-            _add("decode_tensor_probe_errors", 1)
-        return out
+def _counting(key: str, measure):
+    """A wrapper factory: calls the original, then adds ``measure(self, args, out)`` bytes to
+    ``key`` (a probe never breaks the server: a failure counts in ``<key>_errors``)."""
 
-    return wrapped
+    def make(orig):
+        def wrapped(self, *a, **kw):
+            out = orig(self, *a, **kw)
+            try:
+                _add(key, measure(self, a, out))
+            except Exception:
+                _add(f"{key}_errors", 1)
+            return out
+
+        return wrapped
+
+    return make
 
 
-def _reduce(orig):
-    def wrapped(self, elems, *a, **kw):
-        out = orig(self, elems, *a, **kw)
-        try:
-            inputs = _storages([e.data for e in elems])
-            found: list = []
-            _tensors(out, found, set())
-            copied = sum(
-                t.numel() * t.element_size()
-                for t in found
-                if t.device.type == "cpu" and t.untyped_storage().data_ptr() not in inputs
-            )
-            _add("reduce_copied_bytes", copied)
-        except Exception:  # a probe never breaks the server
-            _add("reduce_probe_errors", 1)
-        return out
+def _decode_tensor_copy(self, a, out) -> int:
+    """The bytes of a tensor ``_decode_tensor`` cloned or pinned rather than shared."""
+    data = a[0][2]
+    shared = isinstance(data, int) and getattr(self, "share_mem", False)
+    n = out.numel() * out.element_size()
+    return n if not isinstance(data, dict) and not shared and n >= _BIG else 0
 
-    return wrapped
+
+def _reduce_copy(self, a, out) -> int:
+    """The bytes ``reduce_data`` returns outside its inputs' storage."""
+    inputs = _storages([e.data for e in a[0]])
+    found: list = []
+    _tensors(out, found, set())
+    return sum(
+        t.numel() * t.element_size()
+        for t in found
+        if t.device.type == "cpu" and t.untyped_storage().data_ptr() not in inputs
+    )
 
 
 def _enqueue_timed(orig):
@@ -218,9 +220,13 @@ def register() -> None:
 
     _wrap(core_client.AsyncMPClient, "_send_input_message", _send_input)
     _wrap(serial_utils.MsgpackDecoder, "decode", _decode)
-    _wrap(serial_utils.MsgpackDecoder, "_decode_tensor", _decode_tensor)
+    _wrap(
+        serial_utils.MsgpackDecoder,
+        "_decode_tensor",
+        _counting("decode_tensor_copied_bytes", _decode_tensor_copy),
+    )
     _wrap(shm_object_storage.SingleWriterShmObjectStorage, "copy_to_buffer", _copy_to_buffer)
-    _wrap(inputs.BaseMultiModalField, "reduce_data", _reduce)
+    _wrap(inputs.BaseMultiModalField, "reduce_data", _counting("reduce_copied_bytes", _reduce_copy))
     _wrap(shm_broadcast.MessageQueue, "enqueue", _enqueue_timed)
     try:
         from vllm_shm_arena.message_queue import MessageQueue as Ours
