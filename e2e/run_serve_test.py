@@ -32,6 +32,11 @@ venv and the tiny model exist. For each configuration (``--enable-shm-tensor-are
   the request leaves the waiting queue while the text request still runs, its item was copied
   once and forwarded to no worker (none owes it), vLLM's cache keeps it (one more slot in use),
   and the eviction that follows frees its slot with the others;
+* preemption (two more servers, flag on and off, ``--num-gpu-blocks-override 40``: a KV cache
+  that holds two large images' prompts but not their decodes; ``--no-preemption`` skips them):
+  the second of two image requests is preempted and recomputed on both; identical token ids;
+  with the flag on each image copied once, never into the queue's arena, forwarded at least
+  once, and afterwards only the 2 slots vLLM's cache holds in use;
 * no ``vsa_`` name is left in the private shm directory (or new in /dev/shm) after the stop;
 * the server stops cleanly: SIGINT, exit status 0 within ``--stop-timeout``, no process of
   its group left, no force-kill of the engine or a worker (``--shutdown-timeout`` gives them
@@ -541,6 +546,120 @@ def run_eviction(args: argparse.Namespace, seed_base: int) -> dict[str, Any]:
     return rec
 
 
+#: The preemption runs: a KV cache of this many blocks (128 tokens each, the CPU backend's
+#: block size) holds both large images' prompts (about 2,330 tokens, 19 blocks each) with 2
+#: blocks to spare, so two requests decoding PREEMPT_TOKENS tokens each run out of blocks and
+#: vLLM preempts the later one and recomputes it (its image is sent again only if the workers'
+#: encoder cache no longer holds its output).
+PREEMPT_BLOCKS = 40
+PREEMPT_TOKENS = 300
+
+
+def run_preemption(args: argparse.Namespace, flag: str, seed_base: int) -> dict[str, Any]:
+    """Two new large images' requests, the second sent once the first runs, on a server whose
+    KV cache cannot hold both to the end: token ids, preemptions and (flag on) the frontend
+    arena's fills, forwards and slots in use afterwards (``/metrics``, settled)."""
+    config = "preempt-" + ("arena" if flag == "--enable-shm-tensor-arena" else "stock")
+    log_path = os.path.join(args.log_dir, f"serve_{config}.log")
+    srv = Server(args, config, flag, log_path)
+    srv.cmd += ["--num-gpu-blocks-override", str(PREEMPT_BLOCKS), "--max-num-seqs", "2"]
+    side = IMAGE_KINDS["large"]
+    plan = [ImageRequest("preempt", i, side, seed_base + 700 + i, False) for i in range(2)]
+    rec: dict[str, Any] = {"config": config, "requests": [], "errors": []}
+    try:
+        print(f"serve-test [{config}]: starting vllm serve ({PREEMPT_BLOCKS} KV blocks)")
+        srv.start()
+        before = settle_metrics(srv, args)
+        pngs = [prepare(r, args) for r in plan]
+        out: dict[int, Any] = {}
+
+        def one(i: int) -> None:
+            try:
+                out[i] = chat_stream(
+                    srv.base, image_content(pngs[i]), args.seed, PREEMPT_TOKENS, 600
+                )
+            except Exception as e:  # noqa: BLE001  (recorded below)
+                out[i] = e
+
+        first = threading.Thread(target=one, args=(0,), daemon=True)
+        first.start()
+        wait_for(
+            "the first request to run",
+            lambda: vllm_gauge(srv.base, "vllm:num_requests_running") >= 1,
+            120,
+        )
+        one(1)
+        first.join(600)
+        for i, r in enumerate(plan):
+            res = out.get(i)
+            if not isinstance(res, dict):
+                raise CheckFailed(f"request {r.key}: {res!r}")
+            rec["requests"].append({"key": r.key, "token_ids": res["token_ids"]})
+        after = settle_metrics(srv, args)
+        rec["preemptions"] = int(vllm_gauge(srv.base, "vllm:num_preemptions_total"))
+        rec["filled"] = int(after.get(FRONTEND_FILLED, 0) - before.get(FRONTEND_FILLED, 0))
+        rec["forwarded"] = _forwarded_total(after) - _forwarded_total(before)
+        rec["hits"] = _arena_totals(after)[0] - _arena_totals(before)[0]
+        rec["in_use"] = int(after.get(FRONTEND_IN_USE, -1))
+        print(
+            f"serve-test [{config}]: "
+            + json.dumps({k: v for k, v in rec.items() if k != "requests"})
+        )
+    except Exception as e:  # any failure: kill the server, print its log, record it
+        rec["errors"].append(f"{type(e).__name__}: {e}")
+        print(f"serve-test [{config}]: FAILED: {e}\n{srv.log_tail()}", flush=True)
+        srv.kill()
+    finally:
+        rec["stop"] = srv.shutdown()
+    rec["vsa_names_left"] = sorted(vsa_names(srv.shm_dir))
+    srv.cleanup_dirs()
+    return rec
+
+
+def preemption_checks(on: dict[str, Any], off: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
+    """What the two preemption runs must show (``run_preemption``, flag on and off)."""
+    out = [
+        (
+            "preemption",
+            "both servers answered both requests",
+            not on["errors"] and not off["errors"],
+            json.dumps(on["errors"] + off["errors"]),
+        )
+    ]
+    if on["errors"] or off["errors"]:
+        return out
+    tokens = lambda rec: [r["token_ids"] for r in rec["requests"]]  # noqa: E731
+    out += [
+        (
+            "preemption",
+            "vLLM preempted a request on both servers (the KV cache ran out)",
+            on["preemptions"] >= 1 and off["preemptions"] >= 1,
+            json.dumps([on["preemptions"], off["preemptions"]]),
+        ),
+        (
+            "preemption",
+            f"identical token ids with the flag on and off ({PREEMPT_TOKENS} each)",
+            tokens(on) == tokens(off) and all(len(t) == PREEMPT_TOKENS for t in tokens(on)),
+            json.dumps([len(t) for t in tokens(on)]),
+        ),
+        (
+            "preemption",
+            "each image copied once into the frontend arena, never into the queue's arena, "
+            "forwarded at least once (the recomputed request sends its image again only if "
+            "the workers' encoder cache let it go); afterwards the 2 slots vLLM's cache "
+            "holds, nothing more; a clean stop, no vsa_ name left",
+            on["filled"] == 2
+            and on["hits"] == 0
+            and on["forwarded"] >= 2
+            and on["in_use"] == 2
+            and on["stop"].get("rc") == 0
+            and not on["vsa_names_left"],
+            json.dumps({k: on[k] for k in ("filled", "forwarded", "hits", "in_use")}),
+        ),
+    ]
+    return out
+
+
 def eviction_checks(rec: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
     """What the eviction run must show (``run_eviction``)."""
     rows = rec["requests"]
@@ -887,6 +1006,11 @@ def main() -> int:
     ap.add_argument(
         "--no-eviction", action="store_true", help="skip the third server (the eviction run)"
     )
+    ap.add_argument(
+        "--no-preemption",
+        action="store_true",
+        help="skip the preemption runs (two more servers, flag on and off)",
+    )
     add_common_arguments(ap, per_kind=5, startup_timeout=600)
     args = ap.parse_args()
     plan, seed_base = plan_requests(args, "serve-test")
@@ -918,6 +1042,13 @@ def main() -> int:
     if not args.no_eviction:
         eviction = run_eviction(args, seed_base)
         checks += eviction_checks(eviction)
+    preemption = None
+    if not args.no_preemption:
+        preemption = [
+            run_preemption(args, flag, seed_base)
+            for flag in ("--enable-shm-tensor-arena", "--no-enable-shm-tensor-arena")
+        ]
+        checks += preemption_checks(*preemption)
     passed = all(ok for _, _, ok, _ in checks)
     result = {
         "passed": passed,
@@ -940,6 +1071,7 @@ def main() -> int:
         "checks": checks,
         "configs": configs,
         "eviction": eviction,
+        "preemption": preemption,
     }
     write_results(args.results, result)
     print_checks("serve-test", checks)
