@@ -103,8 +103,10 @@ serve-test:
 serve-multinode-test:
 	bash e2e/serve_test.sh multinode
 
-# What the frontend arena saves vLLM's engine core per new image (CPU, memory), frontend on vs
-# VLLM_SHM_ARENA_FRONTEND=0, in a real `vllm serve` (serve-test's venv). Not in `test`.
+# Where a new image's bytes are copied and what it costs vLLM's engine core and API server (CPU,
+# memory, the broadcast's enqueue), the frontend arena vs the plugin without it vs stock vLLM
+# (lru and shm caches), interleaved, in a real `vllm serve` (serve-test's venv; the test-only
+# probe plugin e2e/serve_probe is installed into it; about 9 minutes). Not in `test`.
 serve-frontend-ab:
 	bash e2e/serve_test.sh frontend-ab
 

@@ -49,18 +49,26 @@ from serve_lib import (  # noqa: E402
 )
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU time of every thread of ``pid``, seconds: the scheduler's own account
-    (/proc/<pid>/task/<tid>/schedstat, nanoseconds), far finer than utime + stime's clock
-    ticks. A thread that ended in between is not counted."""
+def _cpu_s(pid: int, comm_prefix: str = "") -> float:
+    """CPU time of every thread of ``pid`` (whose name starts with ``comm_prefix``), seconds:
+    the scheduler's own account (/proc/<pid>/task/<tid>/schedstat, nanoseconds), far finer
+    than utime + stime's clock ticks. A thread that ended in between is not counted."""
     total = 0
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
+            if comm_prefix:
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    if not f.read().startswith(comm_prefix):
+                        continue
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 total += int(f.read().split()[0])
         except (OSError, IndexError, ValueError):
             pass
     return total / 1e9
+
+
+#: ZeroMQ's I/O threads' names (libzmq names them "ZMQbg/IO/<n>").
+ZMQ_IO = "ZMQbg/IO"
 
 
 def _rss_anon(pid: int) -> int:
@@ -206,13 +214,15 @@ def run_round(args, config, seed0: int, rnd: int) -> dict:
         q0 = _counts(srv.base)
         p0 = _wait_probe(probe_dir)
         a0, c0, m0 = _cpu_s(api), _cpu_s(core), _rss_anon(core)
+        z0 = _cpu_s(core, ZMQ_IO)
         for _r, png in pngs:
             chat_stream(srv.base, image_content(png), args.seed, 4, 300)
         a1, c1, m1 = _cpu_s(api), _cpu_s(core), _rss_anon(core)
+        z1 = _cpu_s(core, ZMQ_IO)
         p1 = _wait_probe(probe_dir)
         for i in range(args.images):
             chat_stream(srv.base, _text_content(rnd * 1000 + i + 1, words), args.seed, 4, 300)
-        a2, c2 = _cpu_s(api), _cpu_s(core)
+        a2, c2, z2 = _cpu_s(api), _cpu_s(core), _cpu_s(core, ZMQ_IO)
         p2 = _wait_probe(probe_dir)
         time.sleep(1.1)
         chat_stream(srv.base, _text_content(0), args.seed, 4, 300)
@@ -238,6 +248,7 @@ def run_round(args, config, seed0: int, rnd: int) -> dict:
             "core_ms_per_image": ((c1 - c0) - (c2 - c1)) / n * 1e3,
             "core_image_request_ms": (c1 - c0) / n * 1e3,
             "core_text_request_ms": (c2 - c1) / n * 1e3,
+            "core_zmq_io_ms_per_image": ((z1 - z0) - (z2 - z1)) / n * 1e3,
             "core_rss_anon_growth_per_image": (m1 - m0) / n,
             "loan_fill_x": (q1["filled_bytes"] - q0["filled_bytes"]) / n / payload,
             "frontend_socket_payload_x": per_image(p0, p1, [api], "send_input_big_bytes"),
@@ -279,6 +290,7 @@ ROWS = [
     ("worker_decode_copy_x", "copied by the workers' _decode_tensor (both), x payload"),
     ("worker_batch_copy_x", "copied by the workers' reduce_data (both), x payload"),
     ("core_ms_per_image", "engine core CPU for the payload, ms (all threads)"),
+    ("core_zmq_io_ms_per_image", "of which ZeroMQ's I/O threads, ms"),
     ("api_ms_per_image", "API server CPU for the payload, ms (all threads)"),
     ("enqueue_image_step_ms", "broadcast enqueue, steps carrying an image, ms (median)"),
     ("enqueue_text_step_ms", "broadcast enqueue, text-only steps, ms (median)"),
