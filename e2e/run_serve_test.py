@@ -423,6 +423,36 @@ FRONTEND_FILLED = "vllm:shm_arena_frontend_filled_total"
 ABORT_LONG_TOKENS = 3000
 
 
+def frontend_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """Between two ``settle_metrics`` reads: the frontend arena's fills, the forwards, the
+    queue-arena hits, and the frontend slots in use at the second."""
+    return {
+        "filled": int(after.get(FRONTEND_FILLED, 0) - before.get(FRONTEND_FILLED, 0)),
+        "forwarded": _forwarded_total(after) - _forwarded_total(before),
+        "hits": _arena_totals(after)[0] - _arena_totals(before)[0],
+        "in_use": int(after.get(FRONTEND_IN_USE, -1)),
+    }
+
+
+def serve_and_record(srv: Server, rec: dict[str, Any], body) -> dict[str, Any]:
+    """Starts ``srv``, runs ``body()``; any failure is recorded in ``rec["errors"]`` (the
+    server killed, its log's tail printed); then the stop (``rec["stop"]``) and the ``vsa_``
+    names left in its shm directory (``rec["vsa_names_left"]``). Returns ``rec``."""
+    name = rec["config"]
+    try:
+        srv.start()
+        body()
+    except Exception as e:  # any failure: kill the server, print its log, record it
+        rec["errors"].append(f"{type(e).__name__}: {e}")
+        print(f"serve-test [{name}]: FAILED: {e}\n{srv.log_tail()}", flush=True)
+        srv.kill()
+    finally:
+        rec["stop"] = srv.shutdown()
+    rec["vsa_names_left"] = sorted(vsa_names(srv.shm_dir))
+    srv.cleanup_dirs()
+    return rec
+
+
 def vllm_gauge(base: str, name: str) -> float:
     """The sum of ``name``'s samples (every label set) in vLLM's ``/metrics``."""
     with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
@@ -451,6 +481,9 @@ def abort_while_waiting(srv: Server, args: argparse.Namespace, r: ImageRequest) 
     frontend arena did with its item, from ``/metrics`` settled before and after."""
     before = settle_metrics(srv, args)
     long_req: dict[str, Any] = {}
+    # Its first token, not vLLM's running gauge: the gauge keeps the last step's count after
+    # the settle pings, so it can say "running" before this request even arrived.
+    generating = threading.Event()
 
     def long_text() -> None:
         try:
@@ -460,15 +493,15 @@ def abort_while_waiting(srv: Server, args: argparse.Namespace, r: ImageRequest) 
                 args.seed,
                 ABORT_LONG_TOKENS,
                 args.request_timeout,
+                first_token=generating,
             )
         except Exception as e:  # noqa: BLE001  (recorded, checked below)
             long_req["error"] = f"{type(e).__name__}: {e}"
 
     t = threading.Thread(target=long_text, daemon=True)
     t.start()
-    running = "vllm:num_requests_running"
     waiting = "vllm:num_requests_waiting"
-    wait_for("the long text request to run", lambda: vllm_gauge(srv.base, running) >= 1, 60)
+    wait_for("the long text request to run", generating.is_set, 60)
     body = {
         "model": SERVED_NAME,
         "messages": [{"role": "user", "content": image_content(prepare(r, args))}],
@@ -486,15 +519,16 @@ def abort_while_waiting(srv: Server, args: argparse.Namespace, r: ImageRequest) 
     long_running = t.is_alive()
     t.join(args.request_timeout)
     after = settle_metrics(srv, args)
+    d = frontend_deltas(before, after)
     return {
         "queued_s": queued_s,
         "left_waiting_queue_s": gone_s,
         "long_request_still_running": long_running,
         "long_request_error": long_req.get("error"),
-        "filled": int(after.get(FRONTEND_FILLED, 0) - before.get(FRONTEND_FILLED, 0)),
-        "forwarded": _forwarded_total(after) - _forwarded_total(before),
+        "filled": d["filled"],
+        "forwarded": d["forwarded"],
         "in_use_before": int(before.get(FRONTEND_IN_USE, -1)),
-        "in_use_after": int(after.get(FRONTEND_IN_USE, -1)),
+        "in_use_after": d["in_use"],
     }
 
 
@@ -511,9 +545,9 @@ def run_eviction(args: argparse.Namespace, seed_base: int) -> dict[str, Any]:
     plan = [ImageRequest("evict", i, side, seed_base + 500 + i, False) for i in range(8)]
     plan.append(ImageRequest("evict", len(plan), side, plan[0].seed, False))  # the first again
     rec: dict[str, Any] = {"config": "eviction", "requests": [], "errors": []}
-    try:
-        print(f"serve-test [eviction]: starting vllm serve (cache {EVICTION_CACHE_GB} GB)")
-        srv.start()
+    print(f"serve-test [eviction]: starting vllm serve (cache {EVICTION_CACHE_GB} GB)")
+
+    def body() -> None:
         aborted = ImageRequest("abort", 0, side, seed_base + 600, False)
         rec["abort"] = abort_while_waiting(srv, args, aborted)
         print(f"serve-test [eviction]: abort while waiting: {json.dumps(rec['abort'])}")
@@ -523,26 +557,12 @@ def run_eviction(args: argparse.Namespace, seed_base: int) -> dict[str, Any]:
                 srv.base, image_content(prepare(r, args)), args.seed, 4, args.request_timeout
             )
             m = settle_metrics(srv, args)
-            hits = _arena_totals(m)[0] - _arena_totals(prev)[0]
-            row = {
-                "key": r.key,
-                "token_ids": res["token_ids"],
-                "filled": int(m.get(FRONTEND_FILLED, 0) - prev.get(FRONTEND_FILLED, 0)),
-                "forwarded": _forwarded_total(m) - _forwarded_total(prev),
-                "hits": hits,
-                "in_use": int(m.get(FRONTEND_IN_USE, -1)),
-            }
+            row = {"key": r.key, "token_ids": res["token_ids"]} | frontend_deltas(prev, m)
             rec["requests"].append(row)
             print(f"serve-test [eviction]: {json.dumps(row | {'token_ids': None})}", flush=True)
             prev = m
-    except Exception as e:  # any failure: kill the server, print its log, record it
-        rec["errors"].append(f"{type(e).__name__}: {e}")
-        print(f"serve-test [eviction]: FAILED: {e}\n{srv.log_tail()}", flush=True)
-        srv.kill()
-    finally:
-        rec["stop"] = srv.shutdown()
-    rec["vsa_names_left"] = sorted(vsa_names(srv.shm_dir))
-    srv.cleanup_dirs()
+
+    serve_and_record(srv, rec, body)
     return rec
 
 
@@ -566,28 +586,31 @@ def run_preemption(args: argparse.Namespace, flag: str, seed_base: int) -> dict[
     side = IMAGE_KINDS["large"]
     plan = [ImageRequest("preempt", i, side, seed_base + 700 + i, False) for i in range(2)]
     rec: dict[str, Any] = {"config": config, "requests": [], "errors": []}
-    try:
-        print(f"serve-test [{config}]: starting vllm serve ({PREEMPT_BLOCKS} KV blocks)")
-        srv.start()
+    print(f"serve-test [{config}]: starting vllm serve ({PREEMPT_BLOCKS} KV blocks)")
+
+    def body() -> None:
         before = settle_metrics(srv, args)
         pngs = [prepare(r, args) for r in plan]
         out: dict[int, Any] = {}
+        # The second is sent once the first streams (the same order in both servers).
+        generating = threading.Event()
 
         def one(i: int) -> None:
             try:
                 out[i] = chat_stream(
-                    srv.base, image_content(pngs[i]), args.seed, PREEMPT_TOKENS, 600
+                    srv.base,
+                    image_content(pngs[i]),
+                    args.seed,
+                    PREEMPT_TOKENS,
+                    600,
+                    first_token=generating if i == 0 else None,
                 )
             except Exception as e:  # noqa: BLE001  (recorded below)
                 out[i] = e
 
         first = threading.Thread(target=one, args=(0,), daemon=True)
         first.start()
-        wait_for(
-            "the first request to run",
-            lambda: vllm_gauge(srv.base, "vllm:num_requests_running") >= 1,
-            120,
-        )
+        wait_for("the first request to run", generating.is_set, 120)
         one(1)
         first.join(600)
         for i, r in enumerate(plan):
@@ -597,22 +620,11 @@ def run_preemption(args: argparse.Namespace, flag: str, seed_base: int) -> dict[
             rec["requests"].append({"key": r.key, "token_ids": res["token_ids"]})
         after = settle_metrics(srv, args)
         rec["preemptions"] = int(vllm_gauge(srv.base, "vllm:num_preemptions_total"))
-        rec["filled"] = int(after.get(FRONTEND_FILLED, 0) - before.get(FRONTEND_FILLED, 0))
-        rec["forwarded"] = _forwarded_total(after) - _forwarded_total(before)
-        rec["hits"] = _arena_totals(after)[0] - _arena_totals(before)[0]
-        rec["in_use"] = int(after.get(FRONTEND_IN_USE, -1))
-        print(
-            f"serve-test [{config}]: "
-            + json.dumps({k: v for k, v in rec.items() if k != "requests"})
-        )
-    except Exception as e:  # any failure: kill the server, print its log, record it
-        rec["errors"].append(f"{type(e).__name__}: {e}")
-        print(f"serve-test [{config}]: FAILED: {e}\n{srv.log_tail()}", flush=True)
-        srv.kill()
-    finally:
-        rec["stop"] = srv.shutdown()
-    rec["vsa_names_left"] = sorted(vsa_names(srv.shm_dir))
-    srv.cleanup_dirs()
+        rec.update(frontend_deltas(before, after))
+        summary = {k: v for k, v in rec.items() if k != "requests"}
+        print(f"serve-test [{config}]: {json.dumps(summary)}", flush=True)
+
+    serve_and_record(srv, rec, body)
     return rec
 
 

@@ -113,10 +113,17 @@ def post_json(url: str, body: dict, timeout: float):
 
 
 def chat_stream(
-    base: str, content: list, seed: int, max_tokens: int, timeout: float, n: int = 1
+    base: str,
+    content: list,
+    seed: int,
+    max_tokens: int,
+    timeout: float,
+    n: int = 1,
+    first_token=None,
 ) -> dict:
     """Streams one chat completion; returns TTFT, end-to-end time, token ids and text (with
-    ``n`` > 1 choices, each choice's in turn: chunks of different choices interleave)."""
+    ``n`` > 1 choices, each choice's in turn: chunks of different choices interleave).
+    ``first_token``: an event set when the first token arrives (the request is running)."""
     body = {
         "model": SERVED_NAME,
         "messages": [{"role": "user", "content": content}],
@@ -154,6 +161,8 @@ def chat_stream(
                 piece = (choice.get("delta") or {}).get("content") or ""
                 if (ids or piece) and ttft is None:
                     ttft = time.monotonic() - t0
+                    if first_token is not None:
+                        first_token.set()
                 token_ids, logprobs, text = per_choice.setdefault(
                     int(choice.get("index", 0)), ([], [], [])
                 )
