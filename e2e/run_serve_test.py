@@ -76,11 +76,11 @@ from serve_lib import (  # e2e/, beside this file
     IMAGE_KINDS,
     MISMATCH_LINE,
     SAMPLE,
-    SERVED_NAME,
     CheckFailed,
     ImageRequest,
     ProcessGroup,
     add_common_arguments,
+    chat_body,
     chat_stream,
     compare_outputs,
     image_content,
@@ -105,13 +105,16 @@ GRACE_SIGTERM_LINE = "workers still running after grace period"
 # HTTP
 
 
-def read_metrics(base: str, timeout: float = 30.0) -> dict[str, float]:
-    """``/metrics``' ``vllm:shm_arena_*`` samples, ``name{labels}`` -> value."""
+def read_metrics(
+    base: str, timeout: float = 30.0, prefix: str = "vllm:shm_arena_"
+) -> dict[str, float]:
+    """``/metrics``' samples whose name starts with ``prefix`` (by default this project's),
+    ``name{labels}`` -> value."""
     with urllib.request.urlopen(f"{base}/metrics", timeout=timeout) as r:
         text = r.read().decode()
     out = {}
     for line in text.splitlines():
-        if not line.startswith("vllm:shm_arena_"):
+        if not line.startswith(prefix):
             continue
         m = SAMPLE.match(line.strip())
         if m:
@@ -455,14 +458,8 @@ def serve_and_record(srv: Server, rec: dict[str, Any], body) -> dict[str, Any]:
 
 def vllm_gauge(base: str, name: str) -> float:
     """The sum of ``name``'s samples (every label set) in vLLM's ``/metrics``."""
-    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as r:
-        text = r.read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        m = SAMPLE.match(line.strip()) if line.startswith(name) else None
-        if m and m.group("name") == name:
-            total += float(m.group("v"))
-    return total
+    samples = read_metrics(base, prefix=name)
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
 
 
 def wait_for(what: str, cond, timeout: float) -> float:
@@ -502,13 +499,7 @@ def abort_while_waiting(srv: Server, args: argparse.Namespace, r: ImageRequest) 
     t.start()
     waiting = "vllm:num_requests_waiting"
     wait_for("the long text request to run", generating.is_set, 60)
-    body = {
-        "model": SERVED_NAME,
-        "messages": [{"role": "user", "content": image_content(prepare(r, args))}],
-        "temperature": 0.0,
-        "max_tokens": 4,
-        "stream": True,
-    }
+    body = chat_body(image_content(prepare(r, args)), args.seed, 4)
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
     conn.request(
         "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
@@ -542,7 +533,9 @@ def run_eviction(args: argparse.Namespace, seed_base: int) -> dict[str, Any]:
     # request waits behind its long text request.
     srv.cmd += ["--mm-processor-cache-gb", str(EVICTION_CACHE_GB), "--max-num-seqs", "1"]
     side = IMAGE_KINDS["large"]
-    plan = [ImageRequest("evict", i, side, seed_base + 500 + i, False) for i in range(8)]
+    plan = [
+        ImageRequest("evict", i, side, seed_base + 500 + i, False) for i in range(EVICTION_IMAGES)
+    ]
     plan.append(ImageRequest("evict", len(plan), side, plan[0].seed, False))  # the first again
     rec: dict[str, Any] = {"config": "eviction", "requests": [], "errors": []}
     print(f"serve-test [eviction]: starting vllm serve (cache {EVICTION_CACHE_GB} GB)")

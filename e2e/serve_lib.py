@@ -112,18 +112,8 @@ def post_json(url: str, body: dict, timeout: float):
     return urllib.request.urlopen(req, timeout=timeout)
 
 
-def chat_stream(
-    base: str,
-    content: list,
-    seed: int,
-    max_tokens: int,
-    timeout: float,
-    n: int = 1,
-    first_token=None,
-) -> dict:
-    """Streams one chat completion; returns TTFT, end-to-end time, token ids and text (with
-    ``n`` > 1 choices, each choice's in turn: chunks of different choices interleave).
-    ``first_token``: an event set when the first token arrives (the request is running)."""
+def chat_body(content: list, seed: int, max_tokens: int, n: int = 1) -> dict:
+    """The streaming chat completion request every serve driver sends (``chat_stream``'s)."""
     body = {
         "model": SERVED_NAME,
         "messages": [{"role": "user", "content": content}],
@@ -141,6 +131,22 @@ def chat_stream(
         # vLLM refuses n > 1 with greedy sampling; sampling with the request's seed is as
         # deterministic (the same tokens in every configuration whose logits agree).
         body["n"], body["temperature"] = n, 1.0
+    return body
+
+
+def chat_stream(
+    base: str,
+    content: list,
+    seed: int,
+    max_tokens: int,
+    timeout: float,
+    n: int = 1,
+    first_token=None,
+) -> dict:
+    """Streams one chat completion; returns TTFT, end-to-end time, token ids and text (with
+    ``n`` > 1 choices, each choice's in turn: chunks of different choices interleave).
+    ``first_token``: an event set when the first token arrives (the request is running)."""
+    body = chat_body(content, seed, max_tokens, n)
     t0 = time.monotonic()
     ttft = None
     per_choice: dict[int, tuple[list[int], list[float], list[str]]] = {}

@@ -218,6 +218,13 @@ def _increase(key: str, name: str, total: Any) -> int:
     return total - last if total >= last else total
 
 
+def _inc_all(incs: list) -> None:
+    """Adds each ``(counter, n)``'s ``n`` (from ``_increase``) to its counter, when not 0."""
+    for counter, n in incs:
+        if n:
+            counter.inc(n)
+
+
 def _never_raise(fn: Callable[..., None]) -> Callable[..., None]:
     """Metrics must never break the queue: the first failure is logged and turns them off."""
 
@@ -248,27 +255,21 @@ def record_writer_stats(stats: Mapping[str, Any], key: str = "writer") -> None:
     if _forgotten:
         _set_sizes()
     with _lock:
-        incs = {
-            "hits": _increase(key, "hits", stats.get("hits")),
-            "bytes": _increase(key, "bytes", stats.get("bytes")),
-            "forwarded": _increase(key, "forwarded", stats.get("forwarded")),
-            "reclaimed": _increase(key, "reclaimed", stats.get("reclaimed")),
-            "dead_readers": _increase(key, "dead_readers", stats.get("dead_readers")),
-        }
+        incs = [
+            (counter, _increase(key, name, stats.get(name)))
+            for name, counter in (
+                ("hits", m.hits),
+                ("bytes", m.bytes),
+                ("forwarded", m.forwarded),
+                ("reclaimed", m.reclaimed),
+                ("dead_readers", m.dead_readers),
+            )
+        ]
         declined = stats.get("declined") or {}
         decl_incs = {r: _increase(key, f"declined:{r}", n) for r, n in declined.items()}
-    if incs["hits"]:
-        m.hits.inc(incs["hits"])
-    if incs["bytes"]:
-        m.bytes.inc(incs["bytes"])
-    if incs["forwarded"]:
-        m.forwarded.inc(incs["forwarded"])
-    if incs["reclaimed"]:
-        m.reclaimed.inc(incs["reclaimed"])
-    if incs["dead_readers"]:
-        m.dead_readers.inc(incs["dead_readers"])
+    _inc_all(incs)
     for reason, n in decl_incs.items():
-        if n:
+        if n:  # (a label set is a series from its first use: none for a reason never seen)
             m.declined.labels(reason=str(reason)).inc(n)
     if "in_use" in stats:
         m.slots_in_use.set(int(stats["in_use"]))
@@ -310,9 +311,7 @@ def record_frontend_stats(
             (m.frontend_filled_bytes, _increase(key, "filled_bytes", filled_bytes)),
             (m.frontend_stubs, _increase(key, "stubs", stubs)),
         ]
-    for counter, n in incs:
-        if n:
-            counter.inc(n)
+    _inc_all(incs)
     m.frontend_in_use.set(int(in_use))
 
 

@@ -50,7 +50,7 @@ def _frame_bytes(frames) -> int:
         try:
             n = memoryview(f).nbytes
         except TypeError:
-            n = len(getattr(f, "buffer", b"")) if hasattr(f, "buffer") else 0
+            n = len(getattr(f, "buffer", b""))
         if n >= _BIG:
             total += n
     return total

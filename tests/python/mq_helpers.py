@@ -32,6 +32,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from vllm_shm_arena import MessageQueue  # noqa: E402
+from vllm_shm_arena import arena as arena_mod  # noqa: E402
+from vllm_shm_arena.frontend import FrontendWriter, StubProvider  # noqa: E402
 
 MiB = 1 << 20
 #: Dtypes a pattern tensor is sent as (a view of the same int32 bytes).
@@ -534,10 +536,6 @@ class Frontend:
     (filled with ``k``), as the engine core holds a multimodal item."""
 
     def __init__(self, n_workers: int) -> None:
-        from vllm_shm_arena import arena as arena_mod
-        from vllm_shm_arena.frontend import FrontendWriter, StubProvider
-
-        self._arena_mod = arena_mod
         self.writer = FrontendWriter(n_workers, 64 * MiB, max_allocations=64)
         self.provider = StubProvider(self.writer.handle())
         arena_mod.set_forward_source(self.provider.reader)
@@ -557,7 +555,7 @@ class Frontend:
         return self.writer.arena.stats()["holdings"][rank]["owed"]
 
     def close(self) -> None:
-        self._arena_mod.set_forward_source(None)
+        arena_mod.set_forward_source(None)
         self.provider.close()
         self.writer.arena.close()
 
