@@ -563,9 +563,12 @@ def run_eviction(args: argparse.Namespace, seed_base: int) -> dict[str, Any]:
 #: block size) holds both large images' prompts (about 2,330 tokens, 19 blocks each) with 2
 #: blocks to spare, so two requests decoding PREEMPT_TOKENS tokens each run out of blocks and
 #: vLLM preempts the later one and recomputes it (its image is sent again only if the workers'
-#: encoder cache no longer holds its output).
+#: encoder cache no longer holds its output). They run out only while both decode: with 300
+#: tokens, a run under load once let the first finish before the second (slowed in its
+#: prefill) needed its 20th block, and there was no preemption; 800 (25 blocks each, 3,130
+#: tokens of the 4,096 allowed) leaves the second ~600 of the first's tokens to get there.
 PREEMPT_BLOCKS = 40
-PREEMPT_TOKENS = 300
+PREEMPT_TOKENS = 800
 
 
 def run_preemption(args: argparse.Namespace, flag: str, seed_base: int) -> dict[str, Any]:
