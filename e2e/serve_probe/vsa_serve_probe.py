@@ -20,6 +20,13 @@ What it counts, per process (``counts``; bytes of tensors or frames of at least 
 * ``enqueue_big_bytes``: big tensors in the objects the broadcast queue's ``enqueue`` sends
   (vLLM's ``MessageQueue`` or this project's); how many bytes each config then copies is the
   queue's own business (its stats), this says only what it was handed.
+* ``read_wait_cpu_ns``: CPU time (the calling thread's, nanoseconds) a reader of vLLM's own
+  ``MessageQueue`` spends in ``acquire_read`` until the message is there: its wait loop spins
+  (``sched_yield`` in ``SpinCondition.wait``, between checks of the ring) for a second after
+  each read. In the engine core that is the wait for the workers' output of each step
+  (vLLM's response queues, never this project's), so it grows with how long the workers
+  compute and how much CPU the spinner gets beside them, not with what the engine core does
+  to a payload.
 ``enqueue``: one ``[seconds, big_bytes]`` per call of either queue's ``enqueue`` (the engine
 core's broadcast of each step), so a harness compares the steps carrying an image with the
 others.
@@ -27,6 +34,7 @@ others.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -197,6 +205,17 @@ def _enqueue_timed(orig):
     return wrapped
 
 
+def _read_wait_cpu(orig):
+    @contextlib.contextmanager
+    def wrapped(self, *a, **kw):
+        t0 = time.thread_time_ns()
+        with orig(self, *a, **kw) as buf:
+            _add("read_wait_cpu_ns", time.thread_time_ns() - t0)
+            yield buf
+
+    return wrapped
+
+
 def _flush_forever(path: str) -> None:
     while True:
         time.sleep(0.25)
@@ -228,6 +247,7 @@ def register() -> None:
     _wrap(shm_object_storage.SingleWriterShmObjectStorage, "copy_to_buffer", _copy_to_buffer)
     _wrap(inputs.BaseMultiModalField, "reduce_data", _counting("reduce_copied_bytes", _reduce_copy))
     _wrap(shm_broadcast.MessageQueue, "enqueue", _enqueue_timed)
+    _wrap(shm_broadcast.MessageQueue, "acquire_read", _read_wait_cpu)
     try:
         from vllm_shm_arena.message_queue import MessageQueue as Ours
 
