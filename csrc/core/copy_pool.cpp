@@ -1,5 +1,6 @@
 #include "core/copy_pool.h"
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
 #include <unistd.h>
@@ -7,9 +8,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -39,13 +40,90 @@ inline void stream_line(uint8_t* dst, const uint8_t* src) {
 }
 #endif
 
+// The text of a small procfs or cgroupfs file (at most 64 KiB), read with open/read: this is
+// the first code a large copy runs, inside whatever process loaded the extension, so it uses
+// no iostreams (their locale machinery belongs to whichever C++ runtime that process loaded
+// first) and throws nothing.
 bool read_text(const std::string& path, std::string* out) {
-  std::ifstream f(path);
-  if (!f) return false;
-  std::stringstream ss;
-  ss << f.rdbuf();
-  *out = ss.str();
+  constexpr size_t kMaxBytes = 64 << 10;
+  int fd;
+  do {
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) return false;
+  out->clear();
+  char buf[4096];
+  bool ok = true;
+  for (;;) {
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n > 0) {
+      out->append(buf, static_cast<size_t>(n));
+      if (out->size() > kMaxBytes) {
+        ok = false;  // not a cgroup file
+        break;
+      }
+    } else if (n == 0) {
+      break;
+    } else if (errno != EINTR) {
+      ok = false;
+      break;
+    }
+  }
+  ::close(fd);
+  return ok;
+}
+
+bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+// The whitespace-separated words of `text`.
+std::vector<std::string_view> words(std::string_view text) {
+  std::vector<std::string_view> out;
+  size_t i = 0;
+  while (i < text.size()) {
+    while (i < text.size() && is_space(text[i])) ++i;
+    size_t start = i;
+    while (i < text.size() && !is_space(text[i])) ++i;
+    if (i > start) out.push_back(text.substr(start, i - start));
+  }
+  return out;
+}
+
+// `text` split at each `sep` (empty pieces kept).
+std::vector<std::string_view> split(std::string_view text, char sep) {
+  std::vector<std::string_view> out;
+  size_t start = 0;
+  for (;;) {
+    size_t at = text.find(sep, start);
+    if (at == std::string_view::npos) {
+      out.push_back(text.substr(start));
+      return out;
+    }
+    out.push_back(text.substr(start, at - start));
+    start = at + 1;
+  }
+}
+
+// A whole decimal integer (an optional sign, then digits only) -> *value; false otherwise or
+// out of range.
+bool parse_int(std::string_view word, long long* value) {
+  if (word.empty() || word.size() > 24) return false;
+  char buf[32];
+  std::memcpy(buf, word.data(), word.size());
+  buf[word.size()] = '\0';
+  char* end = nullptr;
+  errno = 0;
+  long long v = std::strtoll(buf, &end, 10);
+  if (errno != 0 || end != buf + word.size() || end == buf) return false;
+  *value = v;
   return true;
+}
+
+// The one integer a cgroup v1 file holds (trailing newline allowed).
+bool read_int(const std::string& path, long long* value) {
+  std::string text;
+  if (!read_text(path, &text)) return false;
+  std::vector<std::string_view> w = words(text);
+  return w.size() == 1 && parse_int(w[0], value);
 }
 
 // "/a/b/c" -> "/a/b/c", "/a/b", "/a", "" (the root itself). A quota set on any ancestor
@@ -379,53 +457,43 @@ unsigned auto_copy_threads(unsigned usable, unsigned readers) {
 }
 
 unsigned cgroup_cpu_limit(const std::string& cgroup_root, const std::string& proc_self_cgroup) {
+  // No iostreams and nothing thrown on this path (see read_text); a malformed file is no quota.
   unsigned limit = 0;
-  std::istringstream lines(proc_self_cgroup);
-  std::string line;
-  while (std::getline(lines, line)) {
+  for (std::string_view line : split(proc_self_cgroup, '\n')) {
     // hierarchy-id:controller-list:path
     size_t a = line.find(':');
-    size_t b = a == std::string::npos ? a : line.find(':', a + 1);
-    if (b == std::string::npos) continue;
-    std::string controllers = line.substr(a + 1, b - a - 1);
-    std::string path = line.substr(b + 1);
+    size_t b = a == std::string_view::npos ? a : line.find(':', a + 1);
+    if (b == std::string_view::npos) continue;
+    const std::string_view controllers = line.substr(a + 1, b - a - 1);
+    const std::string path(line.substr(b + 1));
     if (controllers.empty()) {
       // cgroup v2: "max 100000" or "150000 100000" in cpu.max.
       for (const std::string& dir : self_and_ancestors(path)) {
         std::string text;
         if (!read_text(cgroup_root + dir + "/cpu.max", &text)) continue;
-        std::istringstream in(text);
-        std::string quota;
+        std::vector<std::string_view> w = words(text);
+        long long quota = 0;
         long long period = 0;
-        if (!(in >> quota >> period) || quota == "max") continue;
-        try {
-          limit = tighter(limit, cpus_of_quota(std::stoll(quota), period));
-        } catch (const std::exception&) {
-          // a malformed file is no quota
-        }
+        if (w.size() != 2 || !parse_int(w[0], &quota) || !parse_int(w[1], &period)) continue;
+        limit = tighter(limit, cpus_of_quota(quota, period));
       }
       continue;
     }
     // cgroup v1: the line whose controller list holds "cpu" (e.g. "cpu,cpuacct"), mounted
     // as <root>/cpu,cpuacct with <root>/cpu beside it on most distributions.
     bool has_cpu = false;
-    std::istringstream names(controllers);
-    std::string name;
-    while (std::getline(names, name, ',')) has_cpu = has_cpu || name == "cpu";
+    for (std::string_view name : split(controllers, ',')) has_cpu = has_cpu || name == "cpu";
     if (!has_cpu) continue;
-    for (const std::string& mount : {controllers, std::string("cpu")}) {
+    for (const std::string& mount : {std::string(controllers), std::string("cpu")}) {
       for (const std::string& dir : self_and_ancestors(path)) {
-        std::string base = cgroup_root + "/" + mount + dir;
-        std::string q, p;
-        if (!read_text(base + "/cpu.cfs_quota_us", &q) ||
-            !read_text(base + "/cpu.cfs_period_us", &p)) {
+        const std::string base = cgroup_root + "/" + mount + dir;
+        long long quota = 0;
+        long long period = 0;
+        if (!read_int(base + "/cpu.cfs_quota_us", &quota) ||
+            !read_int(base + "/cpu.cfs_period_us", &period)) {
           continue;
         }
-        try {
-          limit = tighter(limit, cpus_of_quota(std::stoll(q), std::stoll(p)));
-        } catch (const std::exception&) {
-          // a malformed file is no quota
-        }
+        limit = tighter(limit, cpus_of_quota(quota, period));
       }
       if (mount == "cpu") break;
     }

@@ -170,7 +170,15 @@ TEST_CASE("cgroup v2 cpu.max: the tightest quota of the cgroup and its ancestors
   put(root.path(), "kubepods/pod1/cpu.max", "50000 100000\n");
   CHECK(cgroup_cpu_limit(root.path(), self) == 1);  // half a CPU still runs one thread
   put(root.path(), "kubepods/pod1/cpu.max", "garbage\n");
-  CHECK(cgroup_cpu_limit(root.path(), self) == 3);  // a malformed file is no quota
+  CHECK(cgroup_cpu_limit(root.path(), self) == 3);                 // a malformed file is no quota
+  put(root.path(), "kubepods/pod1/cpu.max", "  200000\t 100000");  // spacing, no newline
+  CHECK(cgroup_cpu_limit(root.path(), self) == 2);
+  put(root.path(), "kubepods/pod1/cpu.max", "99999999999999999999999 100000\n");
+  CHECK(cgroup_cpu_limit(root.path(), self) == 3);  // out of range: no quota
+  put(root.path(), "kubepods/pod1/cpu.max", "200000 100000 7\n");
+  CHECK(cgroup_cpu_limit(root.path(), self) == 3);  // a third word: not cpu.max's shape
+  put(root.path(), "kubepods/pod1/cpu.max", "2e5 100000\n");
+  CHECK(cgroup_cpu_limit(root.path(), self) == 3);  // not a whole decimal number
   // A container whose own cgroup is mounted as the root (path not under it).
   vsa_test::TempDir ns;
   put(ns.path(), "cpu.max", "400000 100000\n");
@@ -195,6 +203,12 @@ TEST_CASE("cgroup v1 cfs quota under the cpu controller's mount", "[copy]") {
   CHECK(cgroup_cpu_limit(cpu_only.path(), self) == 2);
   // A memory-only line is not the cpu controller.
   CHECK(cgroup_cpu_limit(cpu_only.path(), "12:memory:/job/task\n") == 0);
+  // No trailing newline in either file or in /proc/self/cgroup's text; a malformed quota.
+  put(cpu_only.path(), "cpu/job/task/cpu.cfs_quota_us", "300000");
+  put(cpu_only.path(), "cpu/job/task/cpu.cfs_period_us", "100000");
+  CHECK(cgroup_cpu_limit(cpu_only.path(), "4:cpu:/job/task") == 3);
+  put(cpu_only.path(), "cpu/job/task/cpu.cfs_quota_us", "300000 1\n");
+  CHECK(cgroup_cpu_limit(cpu_only.path(), self) == 0);
 }
 
 TEST_CASE("automatic thread count: usable CPUs minus readers, clamped to [1, 8]", "[copy]") {
