@@ -323,7 +323,13 @@ def main() -> int:
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks/results/serve_test"))
     ap.add_argument("--log-dir", default=os.path.join(ROOT, "build/serve_test"))
     ap.add_argument("--shm-parent", default="/dev/shm")
-    ap.add_argument("--images", type=int, default=12, help="new images (and texts) per round")
+    ap.add_argument(
+        "--images",
+        type=int,
+        default=20,
+        help="new images (and texts) per round (20: the frontend arena's pages resident in the "
+        "engine core are read after 20 distinct images, plus the warm-up's)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument(
         "--configs", nargs="+", default=[c[0] for c in CONFIGS], help="a subset of CONFIGS"

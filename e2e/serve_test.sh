@@ -21,7 +21,7 @@
 #        the API server's CPU, the broadcast enqueue's time and the engine core's memory
 #        growth, for the frontend arena, the plugin without it, stock vLLM with its LRU and
 #        with its shm cache, interleaved round by round; writes
-#        benchmarks/results/serve_test/frontend_cpu_ab.{md,json}. About 9 minutes here.
+#        benchmarks/results/serve_test/frontend_cpu_ab.{md,json}. About 12 minutes here.
 #
 # Not part of `make test` / .ci/run: the venv is ~3.5 GB and each server takes about a minute
 # to start on two cores.
