@@ -106,7 +106,7 @@ serve-multinode-test:
 # Where a new image's bytes are copied and what it costs vLLM's engine core and API server (CPU,
 # memory, the broadcast's enqueue), the frontend arena vs the plugin without it vs stock vLLM
 # (lru and shm caches), interleaved, in a real `vllm serve` (serve-test's venv; the test-only
-# probe plugin e2e/serve_probe is installed into it; about 9 minutes). Not in `test`.
+# probe plugin e2e/serve_probe is installed into it; about 12 minutes). Not in `test`.
 serve-frontend-ab:
 	bash e2e/serve_test.sh frontend-ab
 
