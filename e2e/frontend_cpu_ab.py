@@ -414,12 +414,10 @@ def main() -> int:
         "the ring, in `shm_broadcast.MessageQueue.acquire_read`) while the workers compute: "
         "that CPU grows with the workers' time (an image's encoder) and with how much CPU "
         "the spinner gets beside them, not with what the engine core does to the payload; "
-        "the probe measures "
-        "it (the thread's CPU in `acquire_read` until the message is there) and the row "
-        "without it subtracts it. Enqueue times include the "
-        "probe's wrapper. The frontend arena's resident bytes in the engine core: "
-        "/proc/<pid>/smaps at the end of the round. Every round: `frontend_cpu_ab.json`. "
-        "Prints, never asserts.",
+        "the probe measures it (the thread's CPU in `acquire_read` until the message is "
+        "there) and the row without it subtracts it. Enqueue times include the probe's "
+        "wrapper. The frontend arena's resident bytes in the engine core: /proc/<pid>/smaps "
+        "at the end of the round. Every round: `frontend_cpu_ab.json`. Prints, never asserts.",
     ]
     with open(os.path.join(args.results, "frontend_cpu_ab.md"), "w") as f:
         f.write("\n".join(md) + "\n")

@@ -118,12 +118,17 @@ bool parse_int(std::string_view word, long long* value) {
   return true;
 }
 
-// The one integer a cgroup v1 file holds (trailing newline allowed).
-bool read_int(const std::string& path, long long* value) {
+// The `n` whole decimal integers a cgroup file holds (whitespace around and between them) ->
+// values[0, n); false for anything else ("max", a third word, a malformed file).
+bool read_ints(const std::string& path, long long* values, size_t n) {
   std::string text;
   if (!read_text(path, &text)) return false;
   std::vector<std::string_view> w = words(text);
-  return w.size() == 1 && parse_int(w[0], value);
+  if (w.size() != n) return false;
+  for (size_t i = 0; i < n; ++i) {
+    if (!parse_int(w[i], &values[i])) return false;
+  }
+  return true;
 }
 
 // "/a/b/c" -> "/a/b/c", "/a/b", "/a", "" (the root itself). A quota set on any ancestor
@@ -469,13 +474,9 @@ unsigned cgroup_cpu_limit(const std::string& cgroup_root, const std::string& pro
     if (controllers.empty()) {
       // cgroup v2: "max 100000" or "150000 100000" in cpu.max.
       for (const std::string& dir : self_and_ancestors(path)) {
-        std::string text;
-        if (!read_text(cgroup_root + dir + "/cpu.max", &text)) continue;
-        std::vector<std::string_view> w = words(text);
-        long long quota = 0;
-        long long period = 0;
-        if (w.size() != 2 || !parse_int(w[0], &quota) || !parse_int(w[1], &period)) continue;
-        limit = tighter(limit, cpus_of_quota(quota, period));
+        long long quota_period[2] = {0, 0};
+        if (!read_ints(cgroup_root + dir + "/cpu.max", quota_period, 2)) continue;
+        limit = tighter(limit, cpus_of_quota(quota_period[0], quota_period[1]));
       }
       continue;
     }
@@ -489,8 +490,8 @@ unsigned cgroup_cpu_limit(const std::string& cgroup_root, const std::string& pro
         const std::string base = cgroup_root + "/" + mount + dir;
         long long quota = 0;
         long long period = 0;
-        if (!read_int(base + "/cpu.cfs_quota_us", &quota) ||
-            !read_int(base + "/cpu.cfs_period_us", &period)) {
+        if (!read_ints(base + "/cpu.cfs_quota_us", &quota, 1) ||
+            !read_ints(base + "/cpu.cfs_period_us", &period, 1)) {
           continue;
         }
         limit = tighter(limit, cpus_of_quota(quota, period));
