@@ -285,11 +285,11 @@ def write_outputs(result: dict, out_dir: str) -> None:
         f"Load average (1 min) during the run: median {la['median']:.2f}, "
         f"min {la['min']:.2f}, max {la['max']:.2f} (the benchmark's own writer and readers count: "
         "at TP=4 that is five processes). "
-        "Lock-step messages, forked readers that "
+        "Lock-step messages, "
         + (
-            "copy each tensor to GPU 0 (H2D). "
+            "spawned readers (CUDA refuses a forked child) that copy each tensor to GPU 0 (H2D). "
             if result.get("consume") == "cuda"
-            else "copy each tensor into host memory. "
+            else "forked readers that copy each tensor into host memory. "
         )
         + "Per cell: "
         "the per-message p50 over the measured messages, then the median over "

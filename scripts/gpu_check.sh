@@ -9,6 +9,11 @@
 # Sections, most important first; each gets its own timeout, cut to what is left of BUDGET_S
 # (default 540 s: the device runs one command for at most 10 minutes) and skipped when less
 # than 20 s is left. CONSUME=cpu runs the same script on a machine without a GPU (a dry run).
+# ONLY (an extended regular expression) runs only the sections whose names match it, for a
+# second, shorter run in what is left of a session's device time. VS_TP and VS_ONLY (comma-
+# separated workload prefixes) narrow the comparison with vLLM's queue (defaults: TP 1 4 8;
+# 8 MiB, 200 MiB, burst, the 1024^2 image, the scheduler step); one cell takes 10-15 s
+# there, each reader being a spawned process.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu}
@@ -28,6 +33,10 @@ budget() {
 section() {
   local name=$1 want=$2 t
   shift 2
+  if [ -n "${ONLY:-}" ] && ! [[ $name =~ $ONLY ]]; then
+    log "$name: not in ONLY"
+    return 0
+  fi
   t=$(budget "$want")
   if [ "$t" -eq 0 ]; then
     log "$name: skipped (budget of ${BUDGET_S} s spent)"
@@ -71,6 +80,11 @@ if ! timeout 60 $PY benchmarks/gpu_probe/arena_write_smoke.py 1 8 64 >"$OUT/writ
       benchmarks/gpu_probe/arena_write_smoke.py 1 8 64 2>&1 | grep -v "^\[New Thread\|^\[Thread" |
       tail -60 | tee -a "$OUT/write_smoke.txt"
   fi
+  for t in 1 2; do
+    echo "-- again with $t copy thread(s)" | tee -a "$OUT/write_smoke.txt"
+    timeout 60 $PY benchmarks/gpu_probe/arena_write_smoke.py 1 8 64 --threads $t 2>&1 | tail -4 |
+      tee -a "$OUT/write_smoke.txt"
+  done
 fi
 tail -3 "$OUT/write_smoke.txt"
 
@@ -81,7 +95,7 @@ section "gpu_h2d" 60 $PY benchmarks/gpu_h2d.py --out "$OUT" 2>&1 | tee "$OUT/gpu
 
 section "broadcast A/B with H2D consumers" 120 $PY benchmarks/broadcast_ab.py --consume "$CONSUME" \
   --tp 1 4 --sizes 8 200 --modes oob arena --messages 10 --warmup 8 --small-messages 100 \
-  --out "$OUT" 2>&1 | grep -v "it/s]" | tee "$OUT/broadcast_ab_cuda.txt"
+  --workloads --out "$OUT" 2>&1 | grep -v "it/s]" | tee "$OUT/broadcast_ab_cuda.txt"
 
 # Ours vs vLLM's own queue (stock and its arena), readers copying to the GPU, and the
 # tensor-free messages every decode step pays, on this many-core host. vLLM is loaded from its
@@ -90,12 +104,14 @@ if [ -f .whl/vllm-queue-py.tar.gz ]; then
   mkdir -p /tmp/vllm_py && tar -C /tmp/vllm_py -xzf .whl/vllm-queue-py.tar.gz
   export PYTHONPATH=/tmp/vllm_py${PYTHONPATH:+:$PYTHONPATH}
 fi
+if [ -n "${VS_ONLY:-}" ]; then IFS=, read -r -a VS_ONLY <<<"$VS_ONLY"; else
+  VS_ONLY=("8 MiB" "200 MiB" burst "pixel_values 1024" scheduler)
+fi
 if $PY -c "from vllm.distributed.device_communicators.shm_broadcast import MessageQueue" \
   >"$OUT/vllm_import.txt" 2>&1; then
   echo "vLLM's MessageQueue imports from its Python files" | tee -a "$OUT/vllm_import.txt"
   section "vs vLLM's queue" 170 $PY benchmarks/bench_vs_vllm.py --consume "$CONSUME" \
-    --tp 1 4 8 --repeats 1 --only "8 MiB" "200 MiB" burst "pixel_values 1024" scheduler \
-    --out "$OUT/vs_vllm" 2>&1 | grep -v "^\[" | tee "$OUT/vs_vllm.txt"
+    --tp ${VS_TP:-1 4 8} --repeats 1 --only "${VS_ONLY[@]}" --out "$OUT/vs_vllm" 2>&1 | grep -v "^\[" | tee "$OUT/vs_vllm.txt"
 else
   log "vs vLLM's queue: not possible here, vLLM's queue does not import (vllm_import.txt):"
   tail -n 3 "$OUT/vllm_import.txt"

@@ -110,6 +110,17 @@ _TENSOR_ARENAS: weakref.WeakValueDictionary[str, ShmTensorArena] = weakref.WeakV
 _CURRENT_READER = threading.local()
 
 _cuda_seen = False
+
+
+def _forget_cuda_in_child() -> None:
+    """A forked child has none of its parent's CUDA context (torch refuses CUDA there), so the
+    sticky "this process has a context" must not survive the fork: a reader attached in the
+    child would pin, and gate releases on events it cannot record."""
+    global _cuda_seen
+    _cuda_seen = False
+
+
+os.register_at_fork(after_in_child=_forget_cuda_in_child)
 #: VLLM_SHM_ARENA_PIN=0 turns page-locking off (the slot then releases as soon as its tensor
 #: dies, and H2D copies from it are pageable). Read once at import.
 _PIN_ENABLED = settings.pin_enabled()

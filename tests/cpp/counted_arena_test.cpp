@@ -355,6 +355,125 @@ TEST_CASE("counted arena: ranks attach once, the writer cannot be taken over",
   w->unlink();
 }
 
+namespace {
+
+// One multimodal item as vLLM moves it, for the scripted test below: the API server's loan
+// (its sender cache entry), sends to the engine core (reader 0), the engine core's holds (its
+// cache entry and requests), forwards to the workers and their tensors.
+struct ScriptedItem {
+  Allocation a;
+  uint64_t sum = 0;
+  bool loan = true;          // the API server's cache entry
+  int r0_pending = 0;        // sends the engine core has not decoded yet
+  int r0_holds = 0;          // its live acquires (the cache entry, requests)
+  std::vector<int> pending;  // per worker: forwards not yet dequeued
+  std::vector<int> holds;    // per worker: live acquires (its tensors, H2D in flight)
+  bool owed_by_anyone() const {
+    if (loan || r0_pending > 0 || r0_holds > 0) return true;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      if (pending[i] > 0 || holds[i] > 0) return true;
+    }
+    return false;
+  }
+};
+
+}  // namespace
+
+TEST_CASE(
+    "counted arena: a scripted engine core (hits, n > 1, preemption, resume, encoder-input "
+    "replays) frees an item exactly when its last holder lets go",
+    "[arena][counted]") {
+  // Every way vLLM uses an item again is one more forward from the engine core's hold, never
+  // a copy: an LRU hit, the second sample of n = 2, a preempted request resumed (the V2 model
+  // runner sends its inputs again), 0.33's encoder-input replay. The script interleaves those
+  // with the workers dequeuing, dropping tensors one by one or all at once (preemption),
+  // failing to unpickle, messages that did not go, more sends (n > 1), and the evictions at
+  // both ends; after every event the slot must be in use exactly while someone holds or owes
+  // it, and every acquire must see the item's bytes.
+  const uint32_t seed = vsa_test::seed("scripted engine core");
+  std::mt19937_64 rng(seed);
+  constexpr uint32_t kWorkers = 2;
+  auto w = ArenaWriter::create(counted_config(1 + kWorkers));
+  auto r0 = ArenaReader::attach(w->name(), 0);
+  std::vector<std::shared_ptr<ArenaReader>> workers;
+  for (uint32_t i = 0; i < kWorkers; ++i) workers.push_back(ArenaReader::attach(w->name(), 1 + i));
+  w->unlink();
+  auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<uint64_t>(n)); };
+  uint64_t forwards = 0, sends = 0, events = 0;
+  for (int round = 0; round < 200; ++round) {
+    const uint64_t n = 4096 + rng() % 60000;
+    ScriptedItem it;
+    it.a = filled_loan(*w, n, seed + round);
+    it.sum = checksum(it.a.data, n);
+    it.pending.assign(kWorkers, 0);
+    it.holds.assign(kWorkers, 0);
+    const uint64_t lent = w->stats().loans;
+    REQUIRE(w->publish_loan(it.a.slot, it.a.generation));  // the miss that filled the loan
+    it.r0_pending = 1;
+    ++sends;
+    while (it.owed_by_anyone()) {
+      ++events;
+      const uint32_t s = it.a.slot;
+      const uint64_t g = it.a.generation;
+      const int k = pick(100);
+      const int wk = pick(kWorkers);
+      ArenaReader& worker = *workers[static_cast<size_t>(wk)];
+      if (k < 8 && it.loan) {  // the same loan sent again (n > 1, a request using it anew)
+        REQUIRE(w->publish_loan(s, g));
+        ++it.r0_pending;
+        ++sends;
+      } else if (k < 22 && it.r0_pending > 0) {  // the engine core decodes a send
+        CHECK(checksum(r0->acquire(s, g, n), n) == it.sum);
+        --it.r0_pending;
+        ++it.r0_holds;
+      } else if (k < 40 && it.r0_holds > 0) {  // a step forwards it once or twice
+        const int times = 1 + pick(2);
+        for (int i = 0; i < times; ++i) r0->forward(s, g);
+        if (pick(10) == 0) {  // the message did not go: its forwards come back
+          for (int i = 0; i < times; ++i) r0->unforward(s, g);
+        } else {
+          for (auto& p : it.pending) p += times;
+          forwards += static_cast<uint64_t>(times);
+        }
+      } else if (k < 55 && it.pending[wk] > 0) {  // a worker dequeues one
+        CHECK(checksum(worker.acquire(s, g, n), n) == it.sum);
+        --it.pending[wk];
+        ++it.holds[wk];
+      } else if (k < 58 && it.pending[wk] > 0) {  // a message it failed to unpickle
+        worker.release_unacquired(s, g);
+        --it.pending[wk];
+      } else if (k < 70 && it.holds[wk] > 0) {  // one of its tensors dies (its H2D is done)
+        worker.release(s, g);
+        --it.holds[wk];
+      } else if (k < 73) {  // preemption: every worker drops the request's tensors
+        for (uint32_t i = 0; i < kWorkers; ++i) {
+          for (; it.holds[i] > 0; --it.holds[i]) workers[i]->release(s, g);
+        }
+      } else if (k < 80 && it.r0_holds > 0) {  // a request ends, or the cache evicts
+        r0->release(s, g);
+        --it.r0_holds;
+        if (it.r0_holds == 0) {  // nothing holds it in the engine core: no forward possible
+          CHECK_THROWS_AS(r0->forward(s, g), InvalidArgument);
+        }
+      } else if (k < 84 && it.loan) {  // the API server's cache evicts it
+        w->end_loan(s, g);
+        it.loan = false;
+      } else {
+        continue;
+      }
+      const bool owed = it.owed_by_anyone();
+      INFO("round " << round << " event " << k << " seed " << seed);
+      REQUIRE(freed(*w) == !owed);
+    }
+    CHECK_THROWS_AS(r0->acquire(it.a.slot, it.a.generation, n), InvalidArgument);  // stale
+    CHECK(w->stats().loans == lent);  // used again and again, never lent or copied again
+  }
+  CHECK(w->stats().sends == sends);
+  std::printf("[scripted engine core] %llu events, %llu sends, %llu forwards\n",
+              static_cast<unsigned long long>(events), static_cast<unsigned long long>(sends),
+              static_cast<unsigned long long>(forwards));
+}
+
 TEST_CASE("counted arena: a count mid-update or of another generation never frees early",
           "[arena][counted][faults]") {
   auto w = ArenaWriter::create(counted_config(2));

@@ -14,6 +14,7 @@ import torch
 from mq_helpers import ready_in_threads
 
 from vllm_shm_arena import MessageQueue, ShmTensorArena
+from vllm_shm_arena import arena as arena_mod
 
 MiB = 1 << 20
 
@@ -94,3 +95,26 @@ def test_child_of_the_queue_writer_calling_shutdown_leaves_the_queue_running():
     finally:
         mq.shutdown()
         r.shutdown()
+
+
+def test_a_child_of_a_process_with_a_cuda_context_does_not_pin(tmp_path, monkeypatch):
+    # A child forked after the parent made a CUDA context has none (torch refuses CUDA there,
+    # and is_initialized() says False): a reader it attaches must neither pin nor gate its
+    # releases on CUDA events (seen on a GPU host: the child's first flush raised "Cannot
+    # re-initialize CUDA in forked subprocess").
+    monkeypatch.setattr(arena_mod, "_cuda_seen", True)  # the parent's context
+    writer = ShmTensorArena.create(1, num_slots=1, slot_bytes=MiB, shm_dir=str(tmp_path))
+    src = torch.ones(MiB // 4, dtype=torch.int32)
+    slot = writer.write_tensor(src)
+    assert slot is not None
+
+    def child():
+        assert not torch.cuda.is_initialized()
+        reader = ShmTensorArena.attach(writer.handle(), 0)
+        t = reader.get_tensor(slot, src.nbytes, torch.int32, src.shape)
+        assert int(t[0]) == 1 and not reader.needs_flush
+        del t
+        reader.close()
+
+    assert _fork(child) == 0
+    writer.close()

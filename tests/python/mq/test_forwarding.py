@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import random
+import time
 import types
 
 import pytest
@@ -43,7 +44,20 @@ def fe():
     f.close()
 
 
-def test_a_held_tensor_goes_by_reference_and_frees_once_everyone_let_go(fe):
+@pytest.fixture(params=["unpinned", "pinned"])
+def workers(request, monkeypatch):
+    """The readers as CPU workers, and as workers with a CUDA context (the fake runtime
+    standing in), whose tensors are pinned and whose slots come back at a flush after their
+    CUDA event (``freed``): on a GPU host the first kind is the second too."""
+    if request.param == "pinned":
+        request.getfixturevalue("fake")
+        request.getfixturevalue("context")
+        stream = types.SimpleNamespace(cuda_stream=0x5EED)  # the fake only records it
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    return request.param
+
+
+def test_a_held_tensor_goes_by_reference_and_frees_once_everyone_let_go(workers, fe):
     w, rs = queue_with_readers()
     try:
         assert w.export_handle().frontend_arena_handle is not None
@@ -61,7 +75,7 @@ def test_a_held_tensor_goes_by_reference_and_frees_once_everyone_let_go(fe):
         got.pop()
         assert fe.in_use() == 1
         del got
-        assert fe.in_use() == 0
+        assert freed(fe, rs) == 0
         # A slice of a held tensor goes by reference too, at its offset.
         t = fe.held(8)
         t[N // 2 :] = 9
@@ -70,7 +84,7 @@ def test_a_held_tensor_goes_by_reference_and_frees_once_everyone_let_go(fe):
         assert all(g.numel() == N // 2 - 3 and bool((g == 9).all()) for g in got)
         assert w.stats()["arena"]["hits"] == 0
         del t, got
-        assert fe.in_use() == 0
+        assert freed(fe, rs) == 0
         # A repeat of the same item: one more forward, owed and acked again.
         t = fe.held(6)
         for _ in range(3):
@@ -79,9 +93,27 @@ def test_a_held_tensor_goes_by_reference_and_frees_once_everyone_let_go(fe):
         assert fe.owed(1) == 3 and fe.owed(2) == 3
         assert w.stats()["arena"]["forwarded"] == 5  # messages that went, one tensor each
         del t, outs
-        assert fe.in_use() == 0
+        assert freed(fe, rs) == 0
     finally:
         shutdown_all(w, rs)
+
+
+def freed(fe: Frontend, rs, want: int = 0) -> int:
+    """``fe.in_use()`` once the readers' gated releases have had their flushes: in a process
+    with a CUDA context (on a GPU host test_cuda_gpu.py makes one first) their tensors are
+    pinned, so a slot comes back only at a flush after its CUDA event, as each ``dequeue``
+    does; without one, releases happen at free and this is ``fe.in_use()`` at once."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+    deadline = time.monotonic() + 10
+    while fe.in_use() != want and time.monotonic() < deadline:
+        for r in rs:
+            front = r._end.frontend
+            if front is not None and front.needs_flush:
+                front.flush_releases()
+        time.sleep(0.001)
+    return fe.in_use()
 
 
 def _registered(fake, t: torch.Tensor) -> bool:
@@ -130,7 +162,7 @@ def test_the_engine_cores_tensors_are_unpinned_even_with_a_cuda_context(fake, co
     assert fe.in_use() == 0
 
 
-def test_a_message_that_fails_to_unpickle_acks_its_forwards(fe):
+def test_a_message_that_fails_to_unpickle_acks_its_forwards(workers, fe):
     w, rs = queue_with_readers()
     try:
         t = fe.held(1)
@@ -139,7 +171,7 @@ def test_a_message_that_fails_to_unpickle_acks_its_forwards(fe):
             with pytest.raises(ValueError, match="on purpose"):
                 r.dequeue(timeout=10)
         del t
-        assert fe.in_use() == 0  # acked by both readers: nothing owed
+        assert freed(fe, rs) == 0  # acked by both readers: nothing owed
         t = fe.held(2)
         w.enqueue({"t": t})  # the queue goes on
         assert all(int(r.dequeue(timeout=10)["t"][0]) == 2 for r in rs)
@@ -201,7 +233,7 @@ def test_only_a_queue_of_the_frontend_arenas_workers_forwards(fe):
         no_arena.shutdown()
 
 
-def test_a_reader_without_the_frontend_arena_refuses_a_forward_clearly(fe):
+def test_a_reader_without_the_frontend_arena_refuses_a_forward_clearly(workers, fe):
     w, rs = queue_with_readers()
     try:
         front = rs[0]._end.frontend
@@ -214,7 +246,7 @@ def test_a_reader_without_the_frontend_arena_refuses_a_forward_clearly(fe):
         rs[0]._end.frontend = front
         front.release_unacquired(*t_pair(fe, t))  # what the reader owed (it could not ack)
         del t
-        assert fe.in_use() == 0
+        assert freed(fe, rs) == 0
     finally:
         shutdown_all(w, rs)
 
