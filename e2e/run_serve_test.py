@@ -419,6 +419,20 @@ EVICTION_CACHED = 4
 EVICTION_IMAGES = 8
 FRONTEND_IN_USE = "vllm:shm_arena_frontend_slots_in_use"
 FRONTEND_FILLED = "vllm:shm_arena_frontend_filled_total"
+FRONTEND_OWED = "vllm:shm_arena_frontend_owed"
+
+
+def frontend_owed(m: dict[str, float]) -> tuple[int, int]:
+    """From one ``/metrics`` read: the acks the engine core (rank 0) and the workers (ranks
+    1 and up, summed) owe the frontend arena."""
+    core = workers = 0
+    for k, v in m.items():
+        if k.startswith(FRONTEND_OWED + "{"):
+            if 'rank="0"' in k:
+                core += int(v)
+            else:
+                workers += int(v)
+    return core, workers
 
 
 #: The abort run's long text request: tokens it generates (it keeps the only sequence slot,
@@ -428,8 +442,11 @@ ABORT_LONG_TOKENS = 3000
 
 def frontend_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
     """Between two ``settle_metrics`` reads: the frontend arena's fills, the forwards, the
-    queue-arena hits, and the frontend slots in use at the second."""
+    queue-arena hits, and at the second the frontend slots in use and the acks owed."""
+    core_owed, workers_owed = frontend_owed(after)
     return {
+        "core_owed": core_owed,
+        "workers_owed": workers_owed,
         "filled": int(after.get(FRONTEND_FILLED, 0) - before.get(FRONTEND_FILLED, 0)),
         "forwarded": _forwarded_total(after) - _forwarded_total(before),
         "hits": _arena_totals(after)[0] - _arena_totals(before)[0],
@@ -707,6 +724,15 @@ def eviction_checks(rec: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
             "included)",
             0 <= new[-1]["in_use"] <= EVICTION_CACHED,
             json.dumps([r["in_use"] for r in rows]),
+        ),
+        (
+            "eviction",
+            "once each request finished the workers owe the frontend arena nothing "
+            "(vllm:shm_arena_frontend_owed, ranks >= 1) and the engine core owes only for "
+            "what vLLM's cache holds (rank 0 at most the slots in use)",
+            all(r["workers_owed"] == 0 and 0 <= r["core_owed"] <= r["in_use"] for r in rows)
+            and any(r["core_owed"] > 0 for r in rows),
+            json.dumps([(r["core_owed"], r["workers_owed"]) for r in rows]),
         ),
         (
             "eviction",

@@ -651,6 +651,7 @@ class ShmTensorArenaReader(ShmTensorArena):
     def _close(self) -> None:
         if _TENSOR_ARENAS.get(self.name) is self:
             del _TENSOR_ARENAS[self.name]
+        self._last_flush()
         # Tensors handed out hold the mapping (and its pinning) themselves; without this
         # reference it goes as soon as the last of them does.
         self._final_stats = self._reader.stats()
@@ -659,6 +660,25 @@ class ShmTensorArenaReader(ShmTensorArena):
         # answer (closed), and the rank is detached as soon as the last tensor is gone.
         for name in ("read_blob", "hold_slots"):
             self.__dict__.pop(name, None)
+
+    def _last_flush(self) -> None:
+        """Releases the pinned tensors that died since the last ``flush_releases``: their
+        event recorded on the current stream (the copies' stream, as for every flush), that
+        stream waited for, then released. Nothing would flush them after the close, so the
+        rank would stay attached, owing its acks, until the process exits. (A pinned tensor
+        that outlives the close has that fate still: when it dies no stream is known to
+        record its event on.) Never raises: a close does not fail on CUDA's account (at exit
+        it may be gone)."""
+        if not self._may_gate or not _cuda_context():
+            return
+        try:
+            stream = torch.cuda.current_stream()
+            handle = int(stream.cuda_stream)
+            self._reader.flush_releases(handle)
+            stream.synchronize()
+            self._reader.flush_releases(handle)
+        except Exception:  # noqa: BLE001
+            pass
 
     def read_blob(self, slot: int, generation: int, nbytes: int) -> list:
         """(Closed: refused.) See ``_wrap``."""

@@ -34,7 +34,12 @@ The frontend arena (vLLM's API server, ``vllm_frontend``; ``record_frontend_stat
 * ``vllm:shm_arena_frontend_stubs_total``: stubs sent to the engine core (a tensor sent again,
   e.g. for ``n`` > 1, is one more stub, never another copy);
 * ``vllm:shm_arena_frontend_slots_in_use``: its allocations some process still holds (vLLM's
-  multimodal caches in the engine core, the workers' tensors, items in flight).
+  multimodal caches in the engine core, the workers' tensors, items in flight);
+* ``vllm:shm_arena_frontend_owed{rank}``: the acks each rank owes it now, over its live
+  allocations: stubs sent to the engine core (rank 0) and forwarded to worker ``i`` (rank
+  ``1 + i``) whose tensors are still alive there, or not yet dequeued. It returns to 0 when
+  a rank let go of everything; one that only grows is a process holding images (a slow or
+  stuck worker, a leak). A dead or detached rank owes nothing.
 
 With ``PROMETHEUS_MULTIPROC_DIR`` set (before ``prometheus_client`` is first imported, as
 prometheus_client requires) the values go to files there, and a
@@ -51,7 +56,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from vllm_shm_arena import settings
@@ -141,6 +146,13 @@ class _Metrics:
             prom.Gauge,
             "frontend_slots_in_use",
             "Frontend arena allocations some process still holds",
+            **live,
+        )
+        self.frontend_owed = self._make(
+            prom.Gauge,
+            "frontend_owed",
+            "Acks each rank owes the frontend arena (stubs sent or forwarded, still held)",
+            labelnames=["rank"],
             **live,
         )
         self.frontend_filled = self._make(
@@ -297,11 +309,16 @@ def record_reader_stats(stats: Mapping[str, Any], key: str = "reader") -> None:
 
 @_never_raise
 def record_frontend_stats(
-    filled: int, filled_bytes: int, stubs: int, in_use: int, key: str = "frontend"
+    filled: int,
+    filled_bytes: int,
+    stubs: int,
+    in_use: int,
+    owed: Sequence[int] = (),
+    key: str = "frontend",
 ) -> None:
     """Exports the frontend arena's cumulative ``filled``, ``filled_bytes`` and ``stubs``
-    (their increase since the last call for ``key``) and its allocations ``in_use`` now.
-    Never raises."""
+    (their increase since the last call for ``key``), its allocations ``in_use`` now and
+    the acks each rank ``owed`` now (index = rank). Never raises."""
     m = _get()
     if m is None:
         return
@@ -313,6 +330,8 @@ def record_frontend_stats(
         ]
     _inc_all(incs)
     m.frontend_in_use.set(int(in_use))
+    for rank, n in enumerate(owed):
+        m.frontend_owed.labels(rank=str(rank)).set(int(n))
 
 
 @_never_raise

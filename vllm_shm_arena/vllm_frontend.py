@@ -282,7 +282,8 @@ REPORT_EVERY_S = 1.0
 
 def _report(writer: frontend.FrontendWriter) -> None:
     """The frontend arena's metrics (``metrics.record_frontend_stats``), at most once per
-    ``REPORT_EVERY_S``: slots in use after recycling those every process let go."""
+    ``REPORT_EVERY_S``: slots in use after recycling those every process let go, and the acks
+    each rank owes (a walk over the live allocations)."""
     global _reported_at
     now = time.monotonic()
     if now - _reported_at < REPORT_EVERY_S or not metrics.enabled():
@@ -291,11 +292,12 @@ def _report(writer: frontend.FrontendWriter) -> None:
     fa = writer.arena  # (``arena`` is the module)
     try:
         fa.reclaim(check_liveness=False)
-        s = fa.stats(holdings=False)
+        s = fa.stats()
     except Exception:  # noqa: BLE001  (closed at exit: metrics never fail a send)
         return
     c = writer.counters
-    metrics.record_frontend_stats(c["filled"], c["filled_bytes"], s["sends"], s["in_use"])
+    owed = [h["owed"] for h in sorted(s["holdings"], key=lambda h: h["rank"])]
+    metrics.record_frontend_stats(c["filled"], c["filled_bytes"], s["sends"], s["in_use"], owed)
 
 
 def _unlink_once(writer: frontend.FrontendWriter) -> None:

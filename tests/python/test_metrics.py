@@ -132,11 +132,13 @@ def test_the_frontend_arenas_counters_and_gauge():
         pytest.skip("reads this process's default registry")
     names = ["filled", "filled_bytes", "stubs"]
     before = {n: _value(f"vllm:shm_arena_frontend_{n}_total") for n in names}
-    metrics.record_frontend_stats(2, 200, 3, 2, key="fe-test")
-    metrics.record_frontend_stats(5, 500, 9, 1, key="fe-test")
+    metrics.record_frontend_stats(2, 200, 3, 2, [2, 1, 0], key="fe-test")
+    metrics.record_frontend_stats(5, 500, 9, 1, [1, 0, 4], key="fe-test")
     got = {n: _value(f"vllm:shm_arena_frontend_{n}_total") - before[n] for n in names}
     assert got == {"filled": 5, "filled_bytes": 500, "stubs": 9}
     assert _value("vllm:shm_arena_frontend_slots_in_use") == 1
+    owed = [REGISTRY.get_sample_value("vllm:shm_arena_frontend_owed", {"rank": r}) for r in "012"]
+    assert owed == [1, 0, 4]  # a gauge per rank: what it owes now
 
 
 def test_reader_checksum_mismatches_are_a_counter():

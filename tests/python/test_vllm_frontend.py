@@ -274,6 +274,37 @@ def test_the_engine_core_attaches_before_its_executor_so_its_queue_forwards(inst
         w.arena.close()
 
 
+def test_the_api_server_reports_what_each_rank_owes(monkeypatch):
+    # vllm:shm_arena_frontend_owed{rank}: a stub sent to the engine core is owed by rank 0
+    # until the tensor it became there dies; then nothing is owed and the slot is free.
+    got = []
+    monkeypatch.setattr(vllm_frontend.metrics, "enabled", lambda: True)
+    monkeypatch.setattr(vllm_frontend.metrics, "record_frontend_stats", lambda *a: got.append(a))
+    w = frontend.FrontendWriter(1, 32 * MiB)
+    core = frontend.StubProvider(w.handle())
+    try:
+        loan = w.fill(torch.ones(MiB // 2))
+        consumer = w.consumer()
+        consumer.new_message()
+        stub = consumer(loan)
+        assert stub is not None
+
+        def report():
+            monkeypatch.setattr(vllm_frontend, "_reported_at", 0.0)
+            vllm_frontend._report(w)
+            return got[-1][3:]  # in use, owed by rank
+
+        assert report() == (1, [1, 0])  # sent, not yet decoded by the engine core
+        t = core("float32", [MiB // 2], stub)
+        del loan
+        assert report() == (1, [1, 0])  # the engine core holds it
+        del t
+        assert report() == (0, [0, 0])
+    finally:
+        core.close()
+        w.arena.close()
+
+
 def test_the_api_server_reports_the_frontend_arena_at_most_once_a_second(monkeypatch):
     got = []
     monkeypatch.setattr(vllm_frontend.metrics, "enabled", lambda: True)
@@ -284,11 +315,11 @@ def test_the_api_server_reports_the_frontend_arena_at_most_once_a_second(monkeyp
         loan = w.fill(torch.ones(MiB // 2))  # 2 MiB: one copy
         vllm_frontend._report(w)
         vllm_frontend._report(w)  # within the second: not again
-        assert got == [(1, 2 * MiB, 0, 1)]  # filled, bytes, stubs, the loan's slot in use
+        assert got == [(1, 2 * MiB, 0, 1, [0, 0])]  # filled, bytes, stubs, in use, owed
         del loan
         monkeypatch.setattr(vllm_frontend, "_reported_at", 0.0)
         vllm_frontend._report(w)
-        assert got[-1] == (1, 2 * MiB, 0, 0)  # nobody holds it: recycled, not in use
+        assert got[-1] == (1, 2 * MiB, 0, 0, [0, 0])  # nobody holds it: recycled, not in use
         w.arena.close()
         monkeypatch.setattr(vllm_frontend, "_reported_at", 0.0)
         vllm_frontend._report(w)  # closed (the API server's exit): nothing, no error

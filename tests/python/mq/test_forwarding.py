@@ -52,7 +52,8 @@ def workers(request, monkeypatch):
     if request.param == "pinned":
         request.getfixturevalue("fake")
         request.getfixturevalue("context")
-        stream = types.SimpleNamespace(cuda_stream=0x5EED)  # the fake only records it
+        # The fake only records the stream; its events complete at once.
+        stream = types.SimpleNamespace(cuda_stream=0x5EED, synchronize=lambda: None)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
     return request.param
 
@@ -159,6 +160,23 @@ def test_the_engine_cores_tensors_are_unpinned_even_with_a_cuda_context(fake, co
     t = fe.held(3)
     assert not _registered(fake, t)
     del t
+    assert fe.in_use() == 0
+
+
+def test_a_worker_whose_last_tensor_died_after_its_last_dequeue_owes_nothing_once_closed(
+    workers, fe
+):
+    # Pinned, a dead tensor's slot comes back at the next flush, which each dequeue does; a
+    # queue shut down before another dequeue makes that flush itself (waiting for the copy),
+    # or the worker's rank would stay attached, owing, until its process exits.
+    w, rs = queue_with_readers()
+    try:
+        t = fe.held(3)
+        w.enqueue({"t": t})
+        got = [r.dequeue(timeout=10)["t"] for r in rs]
+        del t, got  # after the last dequeue
+    finally:
+        shutdown_all(w, rs)
     assert fe.in_use() == 0
 
 
