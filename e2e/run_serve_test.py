@@ -31,7 +31,14 @@ venv and the tiny model exist. For each configuration (``--enable-shm-tensor-are
   waiting: a new image's request waits behind a long text request and its client goes away;
   the request leaves the waiting queue while the text request still runs, its item was copied
   once and forwarded to no worker (none owes it), vLLM's cache keeps it (one more slot in use),
-  and the eviction that follows frees its slot with the others;
+  and the eviction that follows frees its slot with the others; once each request finished the
+  workers owe the frontend arena no ack and the engine core only for what vLLM's cache holds;
+* too big for the cache (a fourth server, run with the eviction one, ``--mm-processor-cache-gb
+  0.01`` and ``VLLM_SHM_ARENA_MIN_MB=8``: a 12 MiB frontend arena, one large image more than
+  vLLM's cache holds): a new image's request aborted while it waits is copied once, forwarded
+  to no worker, and its slot is free again once it left (the seconds until the first report
+  that shows it); the same image again is one more copy and one forward, and nothing holds its
+  slot or owes an ack once it finished;
 * preemption (two more servers, flag on and off, ``--num-gpu-blocks-override 40``: a KV cache
   that holds two large images' prompts but not their decodes; ``--no-preemption`` skips them):
   the second of two image requests is preempted and recomputed on both; identical token ids;
@@ -435,6 +442,14 @@ def frontend_owed(m: dict[str, float]) -> tuple[int, int]:
     return core, workers
 
 
+#: The too-big run: vLLM's multimodal cache (0.01 GiB: 10,737,418 B) is smaller than one
+#: large image (10,838,016 B of pixel_values), so vLLM serves it uncached; the frontend arena
+#: (1.25 x that: 12 MiB, under the 64 MiB default floor, hence VLLM_SHM_ARENA_MIN_MB) still
+#: carries it.
+TOO_BIG_CACHE_GB = 0.01
+TOO_BIG_MIN_MB = "8"
+FRONTEND_STUBS = "vllm:shm_arena_frontend_stubs_total"
+
 #: The abort run's long text request: tokens it generates (it keeps the only sequence slot,
 #: ``--max-num-seqs 1``, while the image request waits behind it).
 ABORT_LONG_TOKENS = 3000
@@ -489,10 +504,50 @@ def wait_for(what: str, cond, timeout: float) -> float:
     return time.monotonic() - t0
 
 
-def abort_while_waiting(srv: Server, args: argparse.Namespace, r: ImageRequest) -> dict[str, Any]:
+def seconds_until_freed(srv: Server, args: argparse.Namespace, before: dict, t0: float) -> float:
+    """Seconds from ``t0`` (the abort) to the first ``/metrics`` read showing the aborted
+    item's stub sent (``stubs`` one more than in ``before``) and the frontend slots in use back
+    to ``before``'s: that report came after the send, and the slot was free when it was made.
+    The API server reports from its encoder at most once a second, so a one-token text
+    request goes every 0.25 s (in threads: they wait behind the long request) to make it
+    report; the figure includes that interval."""
+    stubs0 = before.get(FRONTEND_STUBS, 0)
+    in_use0 = int(before.get(FRONTEND_IN_USE, -1))
+    pings: list[threading.Thread] = []
+    last_ping = 0.0
+    try:
+        while True:
+            now = time.monotonic()
+            m = read_metrics(srv.base)
+            if (
+                m.get(FRONTEND_STUBS, 0) == stubs0 + 1
+                and int(m.get(FRONTEND_IN_USE, -1)) == in_use0
+            ):
+                return now - t0
+            if now - t0 > 30:
+                raise CheckFailed(f"the aborted item's slot still in use after 30 s: {m}")
+            if now - last_ping >= 0.25:
+                last_ping = now
+                p = threading.Thread(
+                    target=chat_stream,
+                    args=(srv.base, [{"type": "text", "text": "ping"}], 0, 1, args.request_timeout),
+                    daemon=True,
+                )
+                p.start()
+                pings.append(p)
+            time.sleep(0.05)
+    finally:
+        for p in pings:
+            p.join(args.request_timeout)
+
+
+def abort_while_waiting(
+    srv: Server, args: argparse.Namespace, r: ImageRequest, *, too_big: bool = False
+) -> dict[str, Any]:
     """A long text request takes the only sequence slot; a request with the new image ``r``
     then waits behind it until its client closes the connection (vLLM aborts it). What the
-    frontend arena did with its item, from ``/metrics`` settled before and after."""
+    frontend arena did with its item, from ``/metrics`` settled before and after; with
+    ``too_big`` (an item vLLM's cache cannot hold), also how soon its slot was free."""
     before = settle_metrics(srv, args)
     long_req: dict[str, Any] = {}
     # Its first token, not vLLM's running gauge: the gauge keeps the last step's count after
@@ -523,8 +578,10 @@ def abort_while_waiting(srv: Server, args: argparse.Namespace, r: ImageRequest) 
     )
     queued_s = wait_for("the image request to wait", lambda: vllm_gauge(srv.base, waiting), 60)
     conn.close()  # the client goes away: vLLM aborts the request
+    t_close = time.monotonic()
     gone_s = wait_for("the request to leave", lambda: not vllm_gauge(srv.base, waiting), 30)
     long_running = t.is_alive()
+    freed_s = seconds_until_freed(srv, args, before, t_close) if too_big else None
     t.join(args.request_timeout)
     after = settle_metrics(srv, args)
     d = frontend_deltas(before, after)
@@ -537,7 +594,89 @@ def abort_while_waiting(srv: Server, args: argparse.Namespace, r: ImageRequest) 
         "forwarded": d["forwarded"],
         "in_use_before": int(before.get(FRONTEND_IN_USE, -1)),
         "in_use_after": d["in_use"],
+        "freed_s": freed_s,
     }
+
+
+def run_too_big(args: argparse.Namespace, seed_base: int) -> dict[str, Any]:
+    """A server whose multimodal cache cannot hold one large image: a request with a new one
+    aborted while it waits (its slot must be free soon after, nothing else holds it), then the
+    same image sent again (vLLM serves it uncached: one more copy, one forward, nothing held
+    once it finished)."""
+    log_path = os.path.join(args.log_dir, "serve_too_big.log")
+    srv = Server(args, "too-big", "--enable-shm-tensor-arena", log_path)
+    srv.cmd += ["--mm-processor-cache-gb", str(TOO_BIG_CACHE_GB), "--max-num-seqs", "1"]
+    srv.env["VLLM_SHM_ARENA_MIN_MB"] = TOO_BIG_MIN_MB
+    r = ImageRequest("too-big", 0, IMAGE_KINDS["large"], seed_base + 700, False)
+    rec: dict[str, Any] = {"config": "too-big", "errors": []}
+    print(f"serve-test [too-big]: starting vllm serve (cache {TOO_BIG_CACHE_GB} GB)")
+
+    def body() -> None:
+        rec["abort"] = abort_while_waiting(srv, args, r, too_big=True)
+        print(f"serve-test [too-big]: abort while waiting: {json.dumps(rec['abort'])}")
+        before = settle_metrics(srv, args)
+        res = chat_stream(
+            srv.base, image_content(prepare(r, args)), args.seed, 4, args.request_timeout
+        )
+        rec["again"] = {"token_ids": res["token_ids"]} | frontend_deltas(
+            before, settle_metrics(srv, args)
+        )
+        rec["again"]["in_use_before"] = int(before.get(FRONTEND_IN_USE, -1))
+        print(f"serve-test [too-big]: sent again: {json.dumps(rec['again'] | {'token_ids': None})}")
+
+    serve_and_record(srv, rec, body)
+    return rec
+
+
+def aborted_unforwarded(ab: dict[str, Any]) -> bool:
+    """An ``abort_while_waiting`` result: the image request left the queue while the long
+    text request still ran, its item copied once into the frontend arena, forwarded to no
+    worker."""
+    return (
+        ab["long_request_still_running"]
+        and ab["long_request_error"] is None
+        and ab["filled"] == 1
+        and ab["forwarded"] == 0
+    )
+
+
+def too_big_checks(rec: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
+    """What the too-big run must show (``run_too_big``)."""
+    out = [("too-big", "server started, requests answered", not rec["errors"], str(rec["errors"]))]
+    ab, again = rec.get("abort"), rec.get("again")
+    if ab is not None:
+        out.append(
+            (
+                "too-big",
+                "abort while waiting, an item larger than vLLM's cache: copied once into the "
+                "frontend arena, forwarded to no worker, its slot free again once the request "
+                "left (nothing else holds it; the time includes the API server's 1 s report "
+                "interval)",
+                aborted_unforwarded(ab)
+                and ab["in_use_after"] == ab["in_use_before"]
+                and ab["freed_s"] is not None,
+                json.dumps(ab),
+            )
+        )
+    if again is not None:
+        out.append(
+            (
+                "too-big",
+                "the same image again: vLLM serves it uncached, so one more copy and one "
+                "forward; once finished nothing holds its slot and no rank owes an ack; a "
+                "clean stop, no vsa_ name left",
+                again["filled"] == 1
+                and again["forwarded"] == 1
+                and again["hits"] == 0
+                and again["in_use"] == again["in_use_before"]
+                and again["core_owed"] == 0
+                and again["workers_owed"] == 0
+                and rec["stop"].get("rc") == 0
+                and not rec["vsa_names_left"],
+                json.dumps({k: v for k, v in again.items() if k != "token_ids"}),
+            )
+        )
+    return out
 
 
 def run_eviction(args: argparse.Namespace, seed_base: int) -> dict[str, Any]:
@@ -698,11 +837,7 @@ def eviction_checks(rec: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
                 "and left the queue while that one still ran; its item was copied once into "
                 "the frontend arena, forwarded to no worker, and is held by vLLM's cache alone "
                 "(one more slot in use)",
-                ab["long_request_still_running"]
-                and ab["long_request_error"] is None
-                and ab["filled"] == 1
-                and ab["forwarded"] == 0
-                and ab["in_use_after"] == ab["in_use_before"] + 1,
+                aborted_unforwarded(ab) and ab["in_use_after"] == ab["in_use_before"] + 1,
                 json.dumps(ab),
             )
         )
@@ -1038,7 +1173,9 @@ def main() -> int:
         help="tmpfs under which each run's private shm directory is made",
     )
     ap.add_argument(
-        "--no-eviction", action="store_true", help="skip the third server (the eviction run)"
+        "--no-eviction",
+        action="store_true",
+        help="skip the third and fourth servers (the eviction and too-big runs)",
     )
     ap.add_argument(
         "--no-preemption",
@@ -1072,10 +1209,12 @@ def main() -> int:
         configs, [r.key for r in plan], args.max_tokens, repeats, {r.key: r.n for r in plan}
     )
     checks += same
-    eviction = None
+    eviction = too_big = None
     if not args.no_eviction:
         eviction = run_eviction(args, seed_base)
         checks += eviction_checks(eviction)
+        too_big = run_too_big(args, seed_base)
+        checks += too_big_checks(too_big)
     preemption = None
     if not args.no_preemption:
         preemption = [
@@ -1105,6 +1244,7 @@ def main() -> int:
         "checks": checks,
         "configs": configs,
         "eviction": eviction,
+        "too_big": too_big,
         "preemption": preemption,
     }
     write_results(args.results, result)

@@ -28,8 +28,8 @@ reads as "no plugin".
   (sizing.py). Default: ``0.5``. Valid: a number in (0, 1]. Read per queue created with an
   arena, and per check.
 * ``VLLM_SHM_ARENA_MIN_MB``: the smallest variable-size arena worth creating, MiB (sizing.py).
-  Default: ``64``. Valid: a whole number >= 1. Read per queue created with an arena, and per
-  check.
+  Default: ``64``. Valid: a whole number >= 1. Read per queue created with an arena, per
+  frontend arena, and per check.
 * ``VLLM_SHM_ARENA_PIN``: readers page-lock the arena for CUDA copies once the process has a
   CUDA context. Default: ``1``. Valid: ``0`` turns it off; any other value leaves it on. Read at
   import (arena.py); per call by check.py.
@@ -237,7 +237,7 @@ VARIABLES: tuple[Variable, ...] = (
         "`64`",
         "a whole number >= 1",
         "the smallest variable-size arena worth creating, MiB (sizing.py)",
-        "per queue created with an arena, and per check",
+        "per queue created with an arena, per frontend arena, and per check",
         _whole(1),
         unset=64,
     ),

@@ -55,9 +55,6 @@ logger = logging.getLogger("vllm.plugins.shm_tensor_arena")
 #: The arena is sized for vLLM's multimodal cache (mm_processor_cache_gb) plus this share for
 #: items in flight, within the shm directory's free space.
 HEADROOM = 1.25
-#: Under this, no frontend arena (items go as vLLM sends them).
-MIN_ARENA_BYTES = 64 << 20
-
 _lock = threading.Lock()
 #: This API server's writer (None: none here, or it could not be made), and the process that
 #: made it (a forked engine core inherits the object, never the role).
@@ -83,9 +80,11 @@ def wanted(vllm_config: Any) -> str | None:
 def arena_bytes(cache_gb: float, shm_dir: str | None = None) -> int:
     """The frontend arena's size for a multimodal cache of ``cache_gb`` GiB: that plus
     ``HEADROOM``, at most the share of the shm directory's free space an arena may take
-    (VLLM_SHM_ARENA_FREE_FRACTION), in whole 2 MiB blocks; 0 when under ``MIN_ARENA_BYTES``."""
+    (VLLM_SHM_ARENA_FREE_FRACTION), in whole 2 MiB blocks; 0 (no frontend arena: items go as
+    vLLM sends them) under the smallest arena worth creating (VLLM_SHM_ARENA_MIN_MB, the
+    queue's floor too)."""
     size = sizing.region_share(int(float(cache_gb) * HEADROOM * (1 << 30)), shm_dir)
-    return size if size >= MIN_ARENA_BYTES else 0
+    return size if size >= sizing.min_bytes() else 0
 
 
 def _make_writer(vllm_config: Any) -> frontend.FrontendWriter | None:

@@ -49,7 +49,16 @@ def test_the_arena_is_the_cache_plus_headroom_within_the_free_space(tmp_path):
     room = vllm_frontend.sizing.measure(str(tmp_path)).room * settings.free_fraction()
     assert size == min(want, int(room) // (2 << 20) * (2 << 20)) or size == 0
     assert size % (2 << 20) == 0
-    assert vllm_frontend.arena_bytes(0.0, str(tmp_path)) == 0  # under MIN_ARENA_BYTES: none
+    assert vllm_frontend.arena_bytes(0.0, str(tmp_path)) == 0  # under the floor: none
+
+
+def test_the_smallest_frontend_arena_is_the_queues_floor(tmp_path, monkeypatch):
+    # One decision for "the smallest arena worth creating": VLLM_SHM_ARENA_MIN_MB (default
+    # 64 MiB) is the queue's floor and the frontend arena's, so a small multimodal cache gets
+    # a frontend arena where the operator lowers it.
+    assert vllm_frontend.arena_bytes(0.01, str(tmp_path)) == 0  # 12 MiB < 64 MiB
+    monkeypatch.setenv("VLLM_SHM_ARENA_MIN_MB", "8")
+    assert vllm_frontend.arena_bytes(0.01, str(tmp_path)) == 12 << 20  # 0.0125 GiB, in 2 MiB
 
 
 @dataclasses.dataclass
