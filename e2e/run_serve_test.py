@@ -514,28 +514,26 @@ def seconds_until_freed(srv: Server, args: argparse.Namespace, before: dict, t0:
     stubs0 = before.get(FRONTEND_STUBS, 0)
     in_use0 = int(before.get(FRONTEND_IN_USE, -1))
     pings: list[threading.Thread] = []
-    last_ping = 0.0
+    seen = {"ping": 0.0, "read": 0.0}
+
+    def freed() -> bool:
+        now = time.monotonic()
+        if now - seen["ping"] >= 0.25:
+            seen["ping"] = now
+            p = threading.Thread(
+                target=chat_stream,
+                args=(srv.base, [{"type": "text", "text": "ping"}], 0, 1, args.request_timeout),
+                daemon=True,
+            )
+            p.start()
+            pings.append(p)
+        seen["read"] = time.monotonic()
+        m = read_metrics(srv.base)
+        return m.get(FRONTEND_STUBS, 0) == stubs0 + 1 and int(m.get(FRONTEND_IN_USE, -1)) == in_use0
+
     try:
-        while True:
-            now = time.monotonic()
-            m = read_metrics(srv.base)
-            if (
-                m.get(FRONTEND_STUBS, 0) == stubs0 + 1
-                and int(m.get(FRONTEND_IN_USE, -1)) == in_use0
-            ):
-                return now - t0
-            if now - t0 > 30:
-                raise CheckFailed(f"the aborted item's slot still in use after 30 s: {m}")
-            if now - last_ping >= 0.25:
-                last_ping = now
-                p = threading.Thread(
-                    target=chat_stream,
-                    args=(srv.base, [{"type": "text", "text": "ping"}], 0, 1, args.request_timeout),
-                    daemon=True,
-                )
-                p.start()
-                pings.append(p)
-            time.sleep(0.05)
+        wait_for("the aborted item's slot to be free", freed, 30)
+        return seen["read"] - t0
     finally:
         for p in pings:
             p.join(args.request_timeout)

@@ -673,10 +673,9 @@ class ShmTensorArenaReader(ShmTensorArena):
             return
         try:
             stream = torch.cuda.current_stream()
-            handle = int(stream.cuda_stream)
-            self._reader.flush_releases(handle)
+            self.flush_releases(stream)
             stream.synchronize()
-            self._reader.flush_releases(handle)
+            self.flush_releases(stream)
         except Exception:  # noqa: BLE001
             pass
 

@@ -11,6 +11,7 @@ import subprocess
 import time
 
 import pytest
+from mq_helpers import wait_until
 
 from e2e.netns import (
     SCRIPT,
@@ -282,12 +283,13 @@ def test_down_is_idempotent_and_ends_what_runs_on_the_nodes():
         assert os.path.exists(f"/run/netns/{nodes.prefix}-n1")
         # Runs on the node before `down` looks: `popen` returns before the exec has entered
         # the namespace, and a process `down` did not see there yet is not one of the node's.
-        deadline = time.monotonic() + 30
-        while not subprocess.run(
-            ["ip", "netns", "pids", f"{nodes.prefix}-n1"], capture_output=True, text=True
-        ).stdout.strip():
-            assert time.monotonic() < deadline, "the sleeper never ran on node 1"
-            time.sleep(0.05)
+        wait_until(
+            lambda: subprocess.run(
+                ["ip", "netns", "pids", f"{nodes.prefix}-n1"], capture_output=True, text=True
+            ).stdout.strip(),
+            30,
+            "the sleeper to run on node 1",
+        )
         nodes.down()
         assert sleeper.wait(10) != 0  # ended by down
         nodes.down()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import multiprocessing
 import random
-import time
 import types
 
 import pytest
@@ -107,13 +106,14 @@ def freed(fe: Frontend, rs, want: int = 0) -> int:
     if torch.cuda.is_initialized():
         torch.cuda.synchronize()
 
-    deadline = time.monotonic() + 10
-    while fe.in_use() != want and time.monotonic() < deadline:
+    def flushed() -> bool:
         for r in rs:
             front = r._end.frontend
             if front is not None and front.needs_flush:
                 front.flush_releases()
-        time.sleep(0.001)
+        return fe.in_use() == want
+
+    wait_until(flushed, 10, f"{want} frontend slots in use")
     return fe.in_use()
 
 
