@@ -18,6 +18,7 @@
 #include "core/liveness.h"
 #include "core/message_ring.h"
 #include "core/ring.h"
+#include "core/thread_placement.h"
 
 namespace py = pybind11;
 
@@ -370,6 +371,18 @@ void bind_messages(py::module_& m) {
       // "alive" | "dead" | "unknown": the ring writer's liveness token.
       .def("writer_liveness", &PyMessageRingReader::writer_liveness)
       .def_property_readonly("rank", &PyMessageRingReader::rank);
+
+  // Threads of this process whose name starts with a prefix (a ZeroMQ context's I/O threads),
+  // kept off the CPU of the thread that sends (core/thread_placement.h).
+  m.def("find_threads", &find_threads, py::arg("prefix"));
+  py::class_<ThreadPlacement, std::shared_ptr<ThreadPlacement>>(m, "ThreadPlacement")
+      .def(py::init<const std::vector<pid_t>&>(), py::arg("tids"))
+      // Each thread's mask minus the caller's CPU; release() makes it whole again.
+      .def("keep_off_caller", &ThreadPlacement::keep_off_caller)
+      .def("release", &ThreadPlacement::release)
+      .def("__len__", &ThreadPlacement::size)
+      .def_property_readonly("avoided_cpu", &ThreadPlacement::avoided_cpu)
+      .def_property_readonly("moves", &ThreadPlacement::moves);
 }
 
 }  // namespace vllm_shm_arena

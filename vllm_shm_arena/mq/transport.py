@@ -54,6 +54,7 @@ read makes the writer wait (ZeroMQ stops reading the TCP connection at the cap).
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
 import socket
 import threading
@@ -198,6 +199,16 @@ def _poll(
             idle()
 
 
+#: Whether writers keep their I/O thread off the sending thread's CPU (``WriterSockets``);
+#: benchmarks/bench_remote_publish.py compares both.
+PLACE_IO_THREADS = True
+#: Messages from this size on are sent with the I/O thread placed: below it the thread's work
+#: is too short for a preemption to matter, and placing costs two system calls.
+PLACED_SEND_BYTES = 1 << 20
+#: Numbers for the names of each writer context's threads (``WriterSockets``).
+_THREAD_PREFIXES = itertools.count()
+
+
 class WriterSockets:
     """The writer's XPUB sockets: ``local`` (overflow messages to node-local readers) and
     ``remote`` (every message to remote readers, behind the ZAP handler); either may be
@@ -209,6 +220,18 @@ class WriterSockets:
         self._log = log
         self.ctx = zmq.Context()
         life.resources.ctx = self.ctx
+        # This context's threads get names of their own ("<n>/ZMQbg/IO/0"): the handshake
+        # finds its I/O thread by name for ``placement``.
+        self.thread_prefix = next(_THREAD_PREFIXES) % 9999 + 1
+        try:
+            self.ctx.set(zmq.THREAD_NAME_PREFIX, self.thread_prefix)
+        except (AttributeError, zmq.ZMQError):
+            self.thread_prefix = None  # a libzmq without the option: no placement
+        # Keeps the I/O thread off the sending thread's CPU while a large send wakes it
+        # (core/thread_placement.h: it would otherwise preempt the sender where no CPU is
+        # idle); set once the handshake is done, when the thread has long been running and
+        # named.
+        self.placement = None
         self.io_lock = threading.RLock()
         self.local = None
         self.remote = None
@@ -305,6 +328,9 @@ class WriterSockets:
             if self.remote is not None:
                 self._await_roster(deadline)
                 self.remote.send(ready_frame(self.keys.mac_key))
+            if PLACE_IO_THREADS and self.thread_prefix is not None and self.placement is None:
+                io_threads = _C.find_threads(f"{self.thread_prefix}/ZMQbg/IO/")
+                self.placement = _C.ThreadPlacement(io_threads)
 
     def read_subscriptions(self) -> None:
         """Reads what the remote socket's subscribers sent (connections that ended or came
@@ -312,12 +338,16 @@ class WriterSockets:
         if self.remote is not None:
             drain_subscriptions(self.remote, self.admission)
 
-    def send(self, sock, frames: list, deadline: float | None, sending, may_wait: bool) -> None:
+    def send(
+        self, sock, frames: list, deadline: float | None, sending, may_wait: bool, nbytes: int = 0
+    ) -> None:
         """Queues ``frames`` (frame 0 sealed) on ``sock`` as one message, copied (ZeroMQ owns
         the copy, so nothing aliases the caller's memory once this returns). Only the first
         frame can meet the backlog cap (``ZMQ_XPUB_NODROP``: a full subscriber makes the send
         fail, never drop); waiting for it honours ``deadline``, and nothing of the message has
         been sent then. ``may_wait=False``: a socket without a cap, which never waits.
+        ``nbytes``: the message's size; from ``PLACED_SEND_BYTES`` on, the I/O thread the send
+        wakes is kept off this thread's CPU while it wakes (``placement``).
 
         ``sending.sent[id(sock)]`` is a one-item list registered before the first frame goes:
         the count of frames ``sock`` took, updated in the C call that sends them
@@ -329,17 +359,24 @@ class WriterSockets:
             self._life.check_running()  # the socket is closed (or about to be)
             if sock is self.remote:
                 self.read_subscriptions()
+            placement = self.placement if nbytes >= PLACED_SEND_BYTES else None
             while True:
                 try:
-                    _send_frames(
-                        sock.underlying,
-                        frames,
-                        zmq.NOBLOCK,
-                        zmq.SNDMORE,
-                        progress,
-                        SOCKET_PART_BYTES,
-                        SOCKET_SPLIT_ABOVE,
-                    )
+                    try:
+                        if placement is not None:
+                            placement.keep_off_caller()
+                        _send_frames(
+                            sock.underlying,
+                            frames,
+                            zmq.NOBLOCK,
+                            zmq.SNDMORE,
+                            progress,
+                            SOCKET_PART_BYTES,
+                            SOCKET_SPLIT_ABOVE,
+                        )
+                    finally:
+                        if placement is not None:
+                            placement.release()
                     return
                 except zmq.Again:
                     if progress[0] or not may_wait:

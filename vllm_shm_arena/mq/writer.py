@@ -489,11 +489,10 @@ class WriterEnd(End):
             remote_frames = sending.remote_frames
             if remote_frames is None:
                 sending.remote_frames = remote_frames = frames
-            self.counters["remote_bytes"] = self.counters.get("remote_bytes", 0) + sum(
-                memoryview(f).nbytes for f in remote_frames
-            )
+            nbytes = sum(memoryview(f).nbytes for f in remote_frames)
+            self.counters["remote_bytes"] = self.counters.get("remote_bytes", 0) + nbytes
             sealed = self.sealed(remote_frames, sending.seq)
-            self.sockets.send(remote, sealed, deadline, sending, may_wait=True)
+            self.sockets.send(remote, sealed, deadline, sending, may_wait=True, nbytes=nbytes)
         if ring is not None:
             self.publish_local(frames, fits, sending)
 
@@ -539,7 +538,8 @@ class WriterEnd(End):
         if sending.taken(self.sockets.local) == 0:
             local = self.sockets.local
             sealed = self.sealed(frames, sending.seq)
-            self.sockets.send(local, sealed, None, sending, may_wait=False)
+            nbytes = sum(memoryview(f).nbytes for f in frames)
+            self.sockets.send(local, sealed, None, sending, may_wait=False, nbytes=nbytes)
 
     def settle(self, sending: Sending, exc: BaseException | None) -> None:
         """An exception left ``send`` (a timeout or shutdown before anything was committed,

@@ -281,3 +281,43 @@ def test_remote_readers_connect_to_vllm_host_ip_when_no_address_is_given(monkeyp
     assert transport.local_ip() == "10.1.2.3"
     monkeypatch.setenv("VLLM_HOST_IP", "")
     assert isinstance(transport.local_ip(), str) and transport.local_ip()
+
+
+def test_a_large_send_wakes_the_io_thread_off_the_senders_cpu_then_gives_its_cpus_back(
+    ends, monkeypatch
+):
+    """The writer's ZeroMQ I/O thread (found by its context's thread names after the
+    handshake) has the sending thread's CPU taken out of its mask while a send of
+    PLACED_SEND_BYTES or more runs, and its whole mask back once the send returns; a small send
+    leaves the mask alone (csrc/core/thread_placement.h)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    w, rs = ends(n_local=0, n_remote=1)
+    handshake(w, rs, 0)
+    io = _C.find_threads(f"{w.thread_prefix}/ZMQbg/IO/")
+    assert len(io) == 1 and len(w.placement) == 1
+    whole = os.sched_getaffinity(io[0])
+    assert len(whole) >= 2
+    seen = []
+    send_frames = transport._send_frames
+
+    def spy(*args):
+        seen.append(os.sched_getaffinity(io[0]))
+        return send_frames(*args)
+
+    monkeypatch.setattr(transport, "_send_frames", spy)
+    saved = os.sched_getaffinity(0)
+    try:
+        for seq, cpu in enumerate(cpus[:2], start=1):
+            os.sched_setaffinity(0, {cpu})  # this thread only: its CPU is known
+            big = bytearray(transport.PLACED_SEND_BYTES)
+            w.send(w.remote, sealed(seq, [b"r", b"p", big]), None, Sending(), True, len(big))
+            assert seen[-1] == whole - {cpu}
+            assert os.sched_getaffinity(io[0]) == whole
+            assert recv(rs[0], time.monotonic() + 10)[0] == seq
+        w.send(w.remote, sealed(3, [b"r", b"p", b"small"]), None, Sending(), True, 7)
+        assert seen[-1] == whole
+    finally:
+        os.sched_setaffinity(0, saved)
+    assert w.placement.moves == 2
