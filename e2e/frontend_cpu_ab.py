@@ -43,6 +43,7 @@ from serve_lib import (  # noqa: E402
     add_common_arguments,
     chat_stream,
     image_content,
+    metric,
     plan_requests,
     post_json,
     prepare,
@@ -104,12 +105,12 @@ def _counts(base: str) -> dict[str, float]:
     """This project's counters from ``/metrics`` (zero where the plugin is off)."""
     m = read_metrics(base)
     keys = {
-        "hits": "vllm:shm_arena_hits_total",
-        "hit_bytes": "vllm:shm_arena_bytes_total",
-        "forwards": "vllm:shm_arena_forwarded_total",
-        "filled_bytes": "vllm:shm_arena_frontend_filled_bytes_total",
+        "hits": ("vllm:shm_arena_hits_total", "queue"),
+        "hit_bytes": ("vllm:shm_arena_bytes_total", "queue"),
+        "forwards": ("vllm:shm_arena_forwarded_total", "frontend"),
+        "filled_bytes": ("vllm:shm_arena_bytes_total", "frontend"),
     }
-    return {k: m.get(name, 0.0) for k, name in keys.items()}
+    return {k: metric(m, name, arena=arena) for k, (name, arena) in keys.items()}
 
 
 def _probe(probe_dir: str) -> dict[int, dict]:

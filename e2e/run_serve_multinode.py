@@ -294,7 +294,11 @@ def wait_healthy(base: str, nodes: list[Node], timeout: float) -> float:
 
 
 def _totals(m: dict[str, float]) -> tuple[int, int]:
-    return int(m.get("vllm:shm_arena_hits_total", 0)), int(m.get("vllm:shm_arena_bytes_total", 0))
+    """The queue arena's hits and bytes."""
+    return (
+        int(st.metric(m, "vllm:shm_arena_hits_total", arena="queue")),
+        int(st.metric(m, "vllm:shm_arena_bytes_total", arena="queue")),
+    )
 
 
 def settle(base: str, nodes: list[Node], args) -> list[dict[str, float]]:

@@ -7,13 +7,14 @@ venv and the tiny model exist. For each configuration (``--enable-shm-tensor-are
 ``/metrics``, stops the server with SIGINT, and checks:
 
 * every image went through an arena: with the frontend arena (the default), per image
-  ``vllm:shm_arena_forwarded_total`` grew by one and the queue's arena took nothing (the
-  engine core copied none of it: it forwarded the tensor it holds); with
-  ``VLLM_SHM_ARENA_FRONTEND=0``, ``vllm:shm_arena_hits_total`` grew by one and
-  ``vllm:shm_arena_bytes_total`` by exactly that image's pixel_values bytes (uint8, 1176 bytes
-  per 14x14 patch of the resized image: vLLM 0.32 sends Qwen2-VL pixel_values as uint8);
+  ``vllm:shm_arena_forwarded_total{arena="frontend"}`` grew by one and the queue's arena took
+  nothing (the engine core copied none of it: it forwarded the tensor it holds); with
+  ``VLLM_SHM_ARENA_FRONTEND=0``, ``vllm:shm_arena_hits_total{arena="queue"}`` grew by one and
+  ``vllm:shm_arena_bytes_total{arena="queue"}`` by exactly that image's pixel_values bytes
+  (uint8, 1176 bytes per 14x14 patch of the resized image: vLLM 0.32 sends Qwen2-VL
+  pixel_values as uint8);
 * ``VLLM_SHM_ARENA_DEBUG_CHECKSUM=1``: ``vllm:shm_arena_checksum_mismatches_total`` is exported
-  by the workers and is 0, and no worker logged a mismatch;
+  by the workers (both arenas' series) and is 0, and no worker logged a mismatch;
 * with the flag off, no arena hit and no "uses the C++ shm tensor arena" line (stock vLLM);
 * a repeated image (the first large one again, last): vLLM's multimodal cache hit, which the
   API server sends no payload or stub for, and the engine core forwards again (one forward,
@@ -91,6 +92,7 @@ from serve_lib import (  # e2e/, beside this file
     chat_stream,
     compare_outputs,
     image_content,
+    metric,
     model_args,
     plan_requests,
     prepare,
@@ -292,11 +294,15 @@ class Server(ProcessGroup):
 
 
 def _arena_totals(m: dict[str, float]) -> tuple[int, int]:
-    return int(m.get("vllm:shm_arena_hits_total", 0)), int(m.get("vllm:shm_arena_bytes_total", 0))
+    """The queue arena's hits and bytes."""
+    return (
+        int(metric(m, "vllm:shm_arena_hits_total", arena="queue")),
+        int(metric(m, "vllm:shm_arena_bytes_total", arena="queue")),
+    )
 
 
 def _forwarded_total(m: dict[str, float]) -> int:
-    return int(m.get("vllm:shm_arena_forwarded_total", 0))
+    return int(metric(m, "vllm:shm_arena_forwarded_total", arena="frontend"))
 
 
 def went_through_an_arena(r: dict[str, Any], forwarding: bool) -> bool:
@@ -424,22 +430,29 @@ def run_config(args: argparse.Namespace, config: str, flag: str, plan: list[Imag
 EVICTION_CACHE_GB = 0.05
 EVICTION_CACHED = 4
 EVICTION_IMAGES = 8
-FRONTEND_IN_USE = "vllm:shm_arena_frontend_slots_in_use"
-FRONTEND_FILLED = "vllm:shm_arena_frontend_filled_total"
-FRONTEND_OWED = "vllm:shm_arena_frontend_owed"
+FRONTEND_IN_USE = 'vllm:shm_arena_slots_in_use{arena="frontend"}'
+
+
+def frontend_in_use(m: dict[str, float]) -> int:
+    """From one ``/metrics`` read: the frontend arena's allocations in use (-1: no report)."""
+    return int(m.get(FRONTEND_IN_USE, -1))
+
+
+def frontend_filled(m: dict[str, float]) -> int:
+    return int(metric(m, "vllm:shm_arena_hits_total", arena="frontend"))
+
+
+def frontend_stubs(m: dict[str, float]) -> int:
+    return int(metric(m, "vllm:shm_arena_stubs_total", arena="frontend"))
 
 
 def frontend_owed(m: dict[str, float]) -> tuple[int, int]:
     """From one ``/metrics`` read: the acks the engine core (rank 0) and the workers (ranks
     1 and up, summed) owe the frontend arena."""
-    core = workers = 0
-    for k, v in m.items():
-        if k.startswith(FRONTEND_OWED + "{"):
-            if 'rank="0"' in k:
-                core += int(v)
-            else:
-                workers += int(v)
-    return core, workers
+    name = "vllm:shm_arena_owed"
+    every = metric(m, name, arena="frontend")
+    core = metric(m, name, arena="frontend", rank="0")
+    return int(core), int(every - core)
 
 
 #: The too-big run: vLLM's multimodal cache (0.01 GiB: 10,737,418 B) is smaller than one
@@ -448,7 +461,6 @@ def frontend_owed(m: dict[str, float]) -> tuple[int, int]:
 #: carries it.
 TOO_BIG_CACHE_GB = 0.01
 TOO_BIG_MIN_MB = "8"
-FRONTEND_STUBS = "vllm:shm_arena_frontend_stubs_total"
 
 #: The abort run's long text request: tokens it generates (it keeps the only sequence slot,
 #: ``--max-num-seqs 1``, while the image request waits behind it).
@@ -462,10 +474,10 @@ def frontend_deltas(before: dict[str, float], after: dict[str, float]) -> dict[s
     return {
         "core_owed": core_owed,
         "workers_owed": workers_owed,
-        "filled": int(after.get(FRONTEND_FILLED, 0) - before.get(FRONTEND_FILLED, 0)),
+        "filled": frontend_filled(after) - frontend_filled(before),
         "forwarded": _forwarded_total(after) - _forwarded_total(before),
         "hits": _arena_totals(after)[0] - _arena_totals(before)[0],
-        "in_use": int(after.get(FRONTEND_IN_USE, -1)),
+        "in_use": frontend_in_use(after),
     }
 
 
@@ -511,8 +523,8 @@ def seconds_until_freed(srv: Server, args: argparse.Namespace, before: dict, t0:
     The API server reports from its encoder at most once a second, so a one-token text
     request goes every 0.25 s (in threads: they wait behind the long request) to make it
     report; the figure includes that interval."""
-    stubs0 = before.get(FRONTEND_STUBS, 0)
-    in_use0 = int(before.get(FRONTEND_IN_USE, -1))
+    stubs0 = frontend_stubs(before)
+    in_use0 = frontend_in_use(before)
     pings: list[threading.Thread] = []
     seen = {"ping": 0.0, "read": 0.0}
 
@@ -529,7 +541,7 @@ def seconds_until_freed(srv: Server, args: argparse.Namespace, before: dict, t0:
             pings.append(p)
         seen["read"] = time.monotonic()
         m = read_metrics(srv.base)
-        return m.get(FRONTEND_STUBS, 0) == stubs0 + 1 and int(m.get(FRONTEND_IN_USE, -1)) == in_use0
+        return frontend_stubs(m) == stubs0 + 1 and frontend_in_use(m) == in_use0
 
     try:
         wait_for("the aborted item's slot to be free", freed, 30)
@@ -590,7 +602,7 @@ def abort_while_waiting(
         "long_request_error": long_req.get("error"),
         "filled": d["filled"],
         "forwarded": d["forwarded"],
-        "in_use_before": int(before.get(FRONTEND_IN_USE, -1)),
+        "in_use_before": frontend_in_use(before),
         "in_use_after": d["in_use"],
         "freed_s": freed_s,
     }
@@ -619,7 +631,7 @@ def run_too_big(args: argparse.Namespace, seed_base: int) -> dict[str, Any]:
         rec["again"] = {"token_ids": res["token_ids"]} | frontend_deltas(
             before, settle_metrics(srv, args)
         )
-        rec["again"]["in_use_before"] = int(before.get(FRONTEND_IN_USE, -1))
+        rec["again"]["in_use_before"] = frontend_in_use(before)
         print(f"serve-test [too-big]: sent again: {json.dumps(rec['again'] | {'token_ids': None})}")
 
     serve_and_record(srv, rec, body)
@@ -861,7 +873,7 @@ def eviction_checks(rec: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
         (
             "eviction",
             "once each request finished the workers owe the frontend arena nothing "
-            "(vllm:shm_arena_frontend_owed, ranks >= 1) and the engine core owes only for "
+            '(vllm:shm_arena_owed{arena="frontend"}, ranks >= 1) and the engine core owes only for '
             "what vLLM's cache holds (rank 0 at most the slots in use)",
             all(r["workers_owed"] == 0 and 0 <= r["core_owed"] <= r["in_use"] for r in rows)
             and any(r["core_owed"] > 0 for r in rows),
@@ -1004,7 +1016,9 @@ def checks_for(rec: dict[str, Any], min_bytes: int) -> list[tuple[str, bool, str
                 f"{json.dumps(fe)}; pixel_values bytes of the timed requests {new_bytes}",
             )
         )
-        mm = m.get("vllm:shm_arena_checksum_mismatches_total")
+        # Both arenas' series (the workers read both); None when no worker reported.
+        mm_name = "vllm:shm_arena_checksum_mismatches_total"
+        mm = metric(m, mm_name) if any(k.startswith(mm_name) for k in m) else None
         out.append(
             (
                 "0 checksum mismatches (metric exported by the workers, no log line)",

@@ -204,6 +204,22 @@ def image_content(png: bytes, *more: bytes) -> list:
 
 
 SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{[^}]*\})?\s+(?P<v>\S+)$")
+LABEL = re.compile(r'(?P<k>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<v>[^"]*)"')
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples (``name{labels}`` -> value, as read from ``/metrics``)
+    whose labels include every ``labels`` item, e.g. ``metric(m, "vllm:shm_arena_hits_total",
+    arena="queue")``."""
+    total = 0.0
+    for key, v in samples.items():
+        base, _, rest = key.partition("{")
+        if base != name:
+            continue
+        have = {m.group("k"): m.group("v") for m in LABEL.finditer(rest)}
+        if all(have.get(k) == want for k, want in labels.items()):
+            total += v
+    return total
 
 
 def model_args(shutdown_timeout: int) -> list[str]:

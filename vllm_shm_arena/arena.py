@@ -165,7 +165,7 @@ def _other_roles_call(name: str, role: str):
 #: Each role's calls, which the other role answers with a clear RuntimeError.
 _WRITER_CALLS = (
     "write write_tensor new_reducer empty give_back_unsent send_holds reclaim unlink write_blob "
-    "send_loan unsend forward_from take_back_forwards"
+    "send_loan unsend forward_from take_back_forwards count_decline"
 )
 _READER_CALLS = (
     "get_tensor rebuild_stub flush_releases needs_flush release_unacquired read_blob forward "
@@ -503,6 +503,11 @@ class ShmTensorArenaWriter(ShmTensorArena):
     def unlink(self) -> None:
         """Removes the shm name; attached readers keep working, new ones can't attach."""
         self._checked().unlink()
+
+    def count_decline(self, reason: str) -> None:
+        """Counts a tensor declined for ``reason`` (a ``stats()["declined"]`` key) by a caller
+        that decided it without asking the arena (e.g. not contiguous)."""
+        self._checked().count_decline(reason)
 
     def stats(self, *, holdings: bool = True) -> dict:
         s = self._writer.stats()

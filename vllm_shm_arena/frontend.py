@@ -147,6 +147,7 @@ class FrontendWriter:
             return None
         if not tensor.is_contiguous():
             self.counters["declined"] += 1
+            self.arena.count_decline("not_contiguous")
             _warn_once(self._warned, "contiguous", "a non-contiguous tensor stays out")
             return None
         loan = self.arena.empty(list(tensor.shape), tensor.dtype)

@@ -1,45 +1,45 @@
-"""Prometheus metrics for the arena, named like vLLM's own (``vllm:`` prefix).
+"""Prometheus metrics for the arenas, named like vLLM's own (``vllm:`` prefix).
 
-Writer (engine-core process), from ``ShmTensorArena.stats()`` of the writer:
+Every metric has an ``arena`` label: ``queue`` (the broadcast queue's tensor arena: the
+engine core writes, the workers read) or ``frontend`` (the frontend arena: vLLM's API server
+writes, the engine core and the workers read; ``vllm_frontend``).
 
-* ``vllm:shm_arena_hits_total``: tensors written into the arena (one copy for all readers);
+Writers (the engine core for ``queue``, the API server for ``frontend``):
+
+* ``vllm:shm_arena_hits_total``: tensors copied into the arena (one copy for all readers);
 * ``vllm:shm_arena_bytes_total``: their bytes;
-* ``vllm:shm_arena_forwarded_total``: tensors sent to the workers by reference instead, from
-  the frontend arena the engine core holds them in (forwarding; not in the hits);
-* ``vllm:shm_arena_declined_total{reason}``: tensors the arena turned down, which took the
-  out-of-band path instead; ``reason`` is one of ``DECLINE_REASONS`` (``too_small``,
+* ``vllm:shm_arena_declined_total{reason}``: tensors the arena turned down, which went as
+  they would without it; ``reason`` is one of ``DECLINE_REASONS`` (``too_small``,
   ``no_free_slot``, ``no_space``...: the core's names, read from the extension);
-* ``vllm:shm_arena_reclaimed_slots_total``: slots recycled once every reader let go;
-* ``vllm:shm_arena_dead_readers_total``: readers found dead (their slots were taken back);
-* ``vllm:shm_arena_slots_in_use``: slots holding a tensor some reader may still read;
+* ``vllm:shm_arena_reclaimed_slots_total``: allocations recycled once every reader let go;
+* ``vllm:shm_arena_dead_readers_total``: readers found dead (what they held was taken back);
+* ``vllm:shm_arena_slots_in_use``: allocations some reader may still read (``frontend``:
+  vLLM's multimodal caches in the engine core, the workers' tensors, items in flight);
 * ``vllm:shm_arena_capacity_bytes``: tensor bytes the live arenas can hold (smaller than
   configured where the shm directory is small: see ``vllm_shm_arena.sizing``);
 * ``vllm:shm_arena_requested_bytes``: what those arenas were configured to hold
-  (``VLLM_SHM_ARENA_MB``, or slots x slot size); above the capacity when one was shrunk.
+  (``VLLM_SHM_ARENA_MB``, or slots x slot size; ``frontend``: vLLM's multimodal cache size
+  plus headroom); above the capacity when one was shrunk.
 
-Readers (worker processes), from a reader's ``stats()``, summed over live processes:
+The frontend arena only (``arena="frontend"``):
+
+* ``vllm:shm_arena_stubs_total``: stubs the API server sent to the engine core (a tensor sent
+  again, e.g. for ``n`` > 1, is one more stub, never another copy);
+* ``vllm:shm_arena_forwarded_total``: its tensors the engine core sent to the workers by
+  reference (counted by the engine core; not in any hits);
+* ``vllm:shm_arena_owed{rank}``: the acks each rank owes it now, over its live allocations:
+  stubs sent to the engine core (rank 0) and forwarded to worker ``i`` (rank ``1 + i``) whose
+  tensors are still alive there, or not yet dequeued. It returns to 0 when a rank let go of
+  everything; one that only grows is a process holding images (a slow or stuck worker, a
+  leak). A dead or detached rank owes nothing.
+
+Readers (the workers; summed over live processes):
 
 * ``vllm:shm_arena_pinned_bytes``: arena bytes page-locked for DMA;
-* ``vllm:shm_arena_reader_held_slots``: slots whose tensors are still alive in a reader;
-* ``vllm:shm_arena_pending_releases``: slots waiting for their H2D copy to finish;
+* ``vllm:shm_arena_reader_held_slots``: allocations whose tensors are still alive in a reader;
+* ``vllm:shm_arena_pending_releases``: allocations waiting for their H2D copy to finish;
 * ``vllm:shm_arena_checksum_mismatches_total``: with ``VLLM_SHM_ARENA_DEBUG_CHECKSUM=1``,
-  releases whose tensor bytes had changed since the writer checksummed them (a counter, summed
-  over every process that reported).
-
-The frontend arena (vLLM's API server, ``vllm_frontend``; ``record_frontend_stats``):
-
-* ``vllm:shm_arena_frontend_filled_total``: multimodal items' tensors copied into it (one
-  copy each, on the API server);
-* ``vllm:shm_arena_frontend_filled_bytes_total``: their bytes;
-* ``vllm:shm_arena_frontend_stubs_total``: stubs sent to the engine core (a tensor sent again,
-  e.g. for ``n`` > 1, is one more stub, never another copy);
-* ``vllm:shm_arena_frontend_slots_in_use``: its allocations some process still holds (vLLM's
-  multimodal caches in the engine core, the workers' tensors, items in flight);
-* ``vllm:shm_arena_frontend_owed{rank}``: the acks each rank owes it now, over its live
-  allocations: stubs sent to the engine core (rank 0) and forwarded to worker ``i`` (rank
-  ``1 + i``) whose tensors are still alive there, or not yet dequeued. It returns to 0 when
-  a rank let go of everything; one that only grows is a process holding images (a slow or
-  stuck worker, a leak). A dead or detached rank owes nothing.
+  releases whose tensor bytes had changed since the writer checksummed them.
 
 With ``PROMETHEUS_MULTIPROC_DIR`` set (before ``prometheus_client`` is first imported, as
 prometheus_client requires) the values go to files there, and a
@@ -65,6 +65,10 @@ logger = logging.getLogger("vllm_shm_arena")
 
 #: Name prefix, as vLLM's own metrics.
 PREFIX = "vllm:shm_arena_"
+#: The ``arena`` label's values: the broadcast queue's tensor arena, and the frontend arena
+#: (vLLM's API server -> engine core -> workers, by reference).
+QUEUE = "queue"
+FRONTEND = "frontend"
 
 _lock = threading.Lock()
 _metrics: _Metrics | None = None
@@ -72,8 +76,11 @@ _metrics: _Metrics | None = None
 _unavailable = False
 #: Last cumulative value seen per (key, counter name), to turn totals into increments.
 _last: dict[tuple[str, str], int] = {}
-#: (capacity, requested) bytes of this process's live arenas, by key: the gauges are the sums.
-_sizes: dict[str, tuple[int, int]] = {}
+#: (kind, capacity, requested bytes) of this process's live arenas, by key: the gauges are the
+#: sums per kind (the ``arena`` label).
+_sizes: dict[str, tuple[str, int, int]] = {}
+#: The kinds ``_sizes`` has held (their gauges are set, to 0 once none is left).
+_kinds: set[str] = set()
 #: Keys of arenas gone since the gauges were last set (see forget_arena_size).
 _forgotten: list[str] = []
 
@@ -94,90 +101,78 @@ def _multiproc_dir() -> str | None:
 
 
 class _Metrics:
-    """The collectors (registered in prometheus_client's default registry)."""
+    """The collectors (registered in prometheus_client's default registry), each labelled by
+    ``arena`` (``QUEUE`` or ``FRONTEND``)."""
 
     def __init__(self, prom: Any) -> None:
         self._prom = prom
-        self.hits = self._make(
-            prom.Counter, "hits", "Tensors written into the shm tensor arena (one copy for all)"
-        )
-        self.bytes = self._make(
-            prom.Counter, "bytes", "Bytes of tensors written into the shm tensor arena"
-        )
+        counter, gauge = prom.Counter, prom.Gauge
+        live = {"multiprocess_mode": "livesum"}
+        self.hits = self._make(counter, "hits", "Tensors copied into a shm arena (one copy each)")
+        self.bytes = self._make(counter, "bytes", "Bytes of tensors copied into a shm arena")
         self.forwarded = self._make(
-            prom.Counter,
+            counter,
             "forwarded",
-            "Tensors sent to the workers by reference from the frontend arena (no copy)",
+            "Tensors of the frontend arena the engine core sent to the workers by reference",
+        )
+        self.stubs = self._make(
+            counter, "stubs", "Frontend arena stubs sent to the engine core (a repeat is one more)"
         )
         self.declined = self._make(
-            prom.Counter,
+            counter,
             "declined",
-            "Tensors the shm tensor arena declined (sent out of band instead), by reason",
-            labelnames=["reason"],
+            "Tensors a shm arena declined (sent as usual instead), by reason",
+            extra=["reason"],
         )
         self.reclaimed = self._make(
-            prom.Counter, "reclaimed_slots", "Arena slots recycled once every reader let go"
+            counter, "reclaimed_slots", "Arena slots recycled once every reader let go"
         )
         self.dead_readers = self._make(
-            prom.Counter, "dead_readers", "Arena readers found dead (their slots taken back)"
+            counter, "dead_readers", "Arena readers found dead (what they held taken back)"
         )
         self.checksum_mismatches = self._make(
-            prom.Counter,
+            counter,
             "checksum_mismatches",
             "Arena tensors whose bytes changed between write and release (debug checksums)",
         )
-        live = {"multiprocess_mode": "livesum"}
         self.slots_in_use = self._make(
-            prom.Gauge, "slots_in_use", "Arena slots a reader may still read", **live
+            gauge, "slots_in_use", "Arena allocations some process may still read", **live
+        )
+        self.owed = self._make(
+            gauge,
+            "owed",
+            "Acks each reader rank owes a counted arena now (sent or forwarded, still held)",
+            extra=["rank"],
+            **live,
         )
         self.pinned_bytes = self._make(
-            prom.Gauge, "pinned_bytes", "Arena bytes page-locked by readers for DMA", **live
+            gauge, "pinned_bytes", "Arena bytes page-locked by readers for DMA", **live
         )
         self.held = self._make(
-            prom.Gauge, "reader_held_slots", "Arena slots whose tensors readers keep alive", **live
+            gauge, "reader_held_slots", "Arena slots whose tensors readers keep alive", **live
         )
         self.pending = self._make(
-            prom.Gauge,
+            gauge,
             "pending_releases",
             "Arena slots waiting for a reader's H2D copy to finish",
             **live,
         )
-        self.frontend_in_use = self._make(
-            prom.Gauge,
-            "frontend_slots_in_use",
-            "Frontend arena allocations some process still holds",
-            **live,
-        )
-        self.frontend_owed = self._make(
-            prom.Gauge,
-            "frontend_owed",
-            "Acks each rank owes the frontend arena (stubs sent or forwarded, still held)",
-            labelnames=["rank"],
-            **live,
-        )
-        self.frontend_filled = self._make(
-            prom.Counter, "frontend_filled", "Multimodal tensors copied into the frontend arena"
-        )
-        self.frontend_filled_bytes = self._make(
-            prom.Counter, "frontend_filled_bytes", "Bytes copied into the frontend arena"
-        )
-        self.frontend_stubs = self._make(
-            prom.Counter, "frontend_stubs", "Frontend arena stubs sent to the engine core"
-        )
         self.capacity = self._make(
-            prom.Gauge, "capacity_bytes", "Tensor bytes the live shm tensor arenas hold", **live
+            gauge, "capacity_bytes", "Tensor bytes the live shm arenas hold", **live
         )
         self.requested = self._make(
-            prom.Gauge,
+            gauge,
             "requested_bytes",
-            "Tensor bytes the live shm tensor arenas were configured to hold",
+            "Tensor bytes the live shm arenas were configured to hold",
             **live,
         )
 
-    def _make(self, kind: Any, short: str, doc: str, **kwargs: Any) -> Any:
+    def _make(
+        self, kind: Any, short: str, doc: str, extra: Sequence[str] = (), **kwargs: Any
+    ) -> Any:
         name = PREFIX + short
         try:
-            return kind(name, doc, **kwargs)
+            return kind(name, doc, labelnames=["arena", *extra], **kwargs)
         except ValueError:
             # Already in the default registry (this module was reset, e.g. by a test): reuse.
             existing = self._prom.REGISTRY._names_to_collectors.get(name)
@@ -254,11 +249,42 @@ def _never_raise(fn: Callable[..., None]) -> Callable[..., None]:
     return wrapper
 
 
+def _record_writer(m: _Metrics, stats: Mapping[str, Any], key: str, arena: str) -> None:
+    """A writer's cumulative counters (their increase since the last call for ``key``) and
+    its slots in use, under ``arena``."""
+    with _lock:
+        incs = [
+            (counter.labels(arena=arena), _increase(key, name, stats.get(name)))
+            for name, counter in (
+                ("hits", m.hits),
+                ("bytes", m.bytes),
+                ("reclaimed", m.reclaimed),
+                ("dead_readers", m.dead_readers),
+            )
+        ]
+        # Forwards are the frontend arena's tensors, whichever queue counted them.
+        incs.append(
+            (
+                m.forwarded.labels(arena=FRONTEND),
+                _increase(key, "forwarded", stats.get("forwarded")),
+            )
+        )
+        declined = stats.get("declined") or {}
+        decl_incs = {r: _increase(key, f"declined:{r}", n) for r, n in declined.items()}
+    _inc_all(incs)
+    for reason, n in decl_incs.items():
+        if n:  # (a label set is a series from its first use: none for a reason never seen)
+            m.declined.labels(arena=arena, reason=str(reason)).inc(n)
+    if "in_use" in stats:
+        m.slots_in_use.labels(arena=arena).set(int(stats["in_use"]))
+
+
 @_never_raise
 def record_writer_stats(stats: Mapping[str, Any], key: str = "writer") -> None:
-    """Exports a writer's ``ShmTensorArena.stats()`` (or a ``MessageQueue.stats()`` holding it
-    under ``"arena"``). ``key`` tells apart several writers in one process (e.g. the arena's
-    name). Call it at most about once a second. Never raises."""
+    """Exports a queue arena writer's ``ShmTensorArena.stats()`` (or a
+    ``MessageQueue.stats()`` holding it under ``"arena"``), as ``arena="queue"`` (its
+    ``forwarded``: ``arena="frontend"``). ``key`` tells apart several writers in one process
+    (e.g. the arena's name). Call it at most about once a second. Never raises."""
     m = _get()
     if m is None:
         return
@@ -266,33 +292,15 @@ def record_writer_stats(stats: Mapping[str, Any], key: str = "writer") -> None:
         stats = stats["arena"]
     if _forgotten:
         _set_sizes()
-    with _lock:
-        incs = [
-            (counter, _increase(key, name, stats.get(name)))
-            for name, counter in (
-                ("hits", m.hits),
-                ("bytes", m.bytes),
-                ("forwarded", m.forwarded),
-                ("reclaimed", m.reclaimed),
-                ("dead_readers", m.dead_readers),
-            )
-        ]
-        declined = stats.get("declined") or {}
-        decl_incs = {r: _increase(key, f"declined:{r}", n) for r, n in declined.items()}
-    _inc_all(incs)
-    for reason, n in decl_incs.items():
-        if n:  # (a label set is a series from its first use: none for a reason never seen)
-            m.declined.labels(reason=str(reason)).inc(n)
-    if "in_use" in stats:
-        m.slots_in_use.set(int(stats["in_use"]))
+    _record_writer(m, stats, key, QUEUE)
 
 
 @_never_raise
-def record_reader_stats(stats: Mapping[str, Any], key: str = "reader") -> None:
+def record_reader_stats(stats: Mapping[str, Any], key: str = "reader", arena: str = QUEUE) -> None:
     """Exports a reader's ``ShmTensorArena.stats()`` (``pinned_bytes``, ``held``,
-    ``pending_releases``) as this process's gauge values (summed over live processes), and
-    the increase of its cumulative ``checksum_mismatches`` (``key`` tells apart several readers
-    in one process). Never raises."""
+    ``pending_releases``) as this process's gauge values for ``arena`` (summed over live
+    processes), and the increase of its cumulative ``checksum_mismatches`` (``key`` tells
+    apart several readers in one process). Never raises."""
     m = _get()
     if m is None:
         return
@@ -300,47 +308,42 @@ def record_reader_stats(stats: Mapping[str, Any], key: str = "reader") -> None:
         stats = stats["arena"]
     with _lock:
         mismatches = _increase(key, "checksum_mismatches", stats.get("checksum_mismatches"))
-    if mismatches:
-        m.checksum_mismatches.inc(mismatches)
-    m.pinned_bytes.set(int(stats.get("pinned_bytes") or 0))
-    m.held.set(int(stats.get("held") or 0))
-    m.pending.set(int(stats.get("pending_releases") or 0))
+    # inc(0) too: a reader that reported shows 0 at /metrics, not nothing.
+    m.checksum_mismatches.labels(arena=arena).inc(mismatches)
+    m.pinned_bytes.labels(arena=arena).set(int(stats.get("pinned_bytes") or 0))
+    m.held.labels(arena=arena).set(int(stats.get("held") or 0))
+    m.pending.labels(arena=arena).set(int(stats.get("pending_releases") or 0))
 
 
 @_never_raise
 def record_frontend_stats(
-    filled: int,
-    filled_bytes: int,
-    stubs: int,
-    in_use: int,
-    owed: Sequence[int] = (),
-    key: str = "frontend",
+    filled: int, filled_bytes: int, stats: Mapping[str, Any], key: str = "frontend"
 ) -> None:
-    """Exports the frontend arena's cumulative ``filled``, ``filled_bytes`` and ``stubs``
-    (their increase since the last call for ``key``), its allocations ``in_use`` now and
-    the acks each rank ``owed`` now (index = rank). Never raises."""
+    """Exports the frontend arena (``arena="frontend"``): the tensors ``filled`` into it and
+    their ``filled_bytes`` (cumulative: hits and bytes), and from its writer's
+    ``ShmTensorArena.stats()`` the stubs sent (``sends``), declines, reclaims, dead readers,
+    allocations in use and the acks each rank owes now (``holdings``). Never raises."""
     m = _get()
     if m is None:
         return
     with _lock:
-        incs = [
-            (m.frontend_filled, _increase(key, "filled", filled)),
-            (m.frontend_filled_bytes, _increase(key, "filled_bytes", filled_bytes)),
-            (m.frontend_stubs, _increase(key, "stubs", stubs)),
-        ]
-    _inc_all(incs)
-    m.frontend_in_use.set(int(in_use))
-    for rank, n in enumerate(owed):
-        m.frontend_owed.labels(rank=str(rank)).set(int(n))
+        stubs = _increase(key, "stubs", stats.get("sends"))
+    m.stubs.labels(arena=FRONTEND).inc(stubs)
+    _record_writer(m, {**stats, "hits": filled, "bytes": filled_bytes}, key, FRONTEND)
+    for h in stats.get("holdings") or ():
+        m.owed.labels(arena=FRONTEND, rank=str(h["rank"])).set(int(h.get("owed") or 0))
 
 
 @_never_raise
-def record_arena_size(key: str, capacity_bytes: int, requested_bytes: int) -> None:
+def record_arena_size(
+    key: str, capacity_bytes: int, requested_bytes: int, arena: str = QUEUE
+) -> None:
     """A writer's arena was created holding ``capacity_bytes`` of tensors out of the
-    ``requested_bytes`` configured: the capacity and requested gauges become the sums over
-    this process's live arenas (``key``: the arena's name). Never raises."""
+    ``requested_bytes`` configured: the capacity and requested gauges of ``arena`` become the
+    sums over this process's live arenas of that kind (``key``: the arena's name). Never
+    raises."""
     with _lock:
-        _sizes[key] = (int(capacity_bytes), int(requested_bytes))
+        _sizes[key] = (arena, int(capacity_bytes), int(requested_bytes))
     _set_sizes()
 
 
@@ -365,10 +368,15 @@ def _set_sizes() -> None:
         while _forgotten:
             _sizes.pop(_forgotten.pop(), None)
         sizes = list(_sizes.values())
-        capacity = sum(c for c, _ in sizes)
-        requested = sum(r for _, r in sizes)
-    m.capacity.set(capacity)
-    m.requested.set(requested)
+        # Every kind this process ever had stays a series (0 once its arenas are gone).
+        totals = dict.fromkeys(_kinds, (0, 0))
+        for arena, c, r in sizes:
+            _kinds.add(arena)
+            tc, tr = totals.get(arena, (0, 0))
+            totals[arena] = (tc + c, tr + r)
+    for arena, (c, r) in totals.items():
+        m.capacity.labels(arena=arena).set(c)
+        m.requested.labels(arena=arena).set(r)
 
 
 def _reset() -> None:
@@ -379,3 +387,4 @@ def _reset() -> None:
         _unavailable = False
         _last.clear()
         _sizes.clear()
+        _kinds.clear()

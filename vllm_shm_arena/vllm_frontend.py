@@ -83,8 +83,14 @@ def arena_bytes(cache_gb: float, shm_dir: str | None = None) -> int:
     (VLLM_SHM_ARENA_FREE_FRACTION), in whole 2 MiB blocks; 0 (no frontend arena: items go as
     vLLM sends them) under the smallest arena worth creating (VLLM_SHM_ARENA_MIN_MB, the
     queue's floor too)."""
-    size = sizing.region_share(int(float(cache_gb) * HEADROOM * (1 << 30)), shm_dir)
+    size = sizing.region_share(wanted_bytes(cache_gb), shm_dir)
     return size if size >= sizing.min_bytes() else 0
+
+
+def wanted_bytes(cache_gb: float) -> int:
+    """What the frontend arena would be for a multimodal cache of ``cache_gb`` GiB with room
+    to spare: that plus ``HEADROOM``."""
+    return int(float(cache_gb) * HEADROOM * (1 << 30))
 
 
 def _make_writer(vllm_config: Any) -> frontend.FrontendWriter | None:
@@ -115,6 +121,9 @@ def _make_writer(vllm_config: Any) -> frontend.FrontendWriter | None:
             )
             return None
         settings.set_frontend_handle(frontend.handle_to_env(w.handle()))
+        metrics.record_arena_size(
+            w.arena.name, size, wanted_bytes(mm.mm_processor_cache_gb), metrics.FRONTEND
+        )
         atexit.register(_report_and_close, w)
         _writer, _writer_pid = w, os.getpid()
         logger.info(
@@ -140,6 +149,7 @@ def _report_and_close(w: frontend.FrontendWriter) -> None:
         w.arena.stats(holdings=False)["sends"],
         c["declined"],
     )
+    metrics.forget_arena_size(w.arena.name)
     w.arena.close()
 
 
@@ -295,8 +305,7 @@ def _report(writer: frontend.FrontendWriter) -> None:
     except Exception:  # noqa: BLE001  (closed at exit: metrics never fail a send)
         return
     c = writer.counters
-    owed = [h["owed"] for h in s["holdings"]]  # one per rank, in rank order
-    metrics.record_frontend_stats(c["filled"], c["filled_bytes"], s["sends"], s["in_use"], owed)
+    metrics.record_frontend_stats(c["filled"], c["filled_bytes"], s)
 
 
 def _unlink_once(writer: frontend.FrontendWriter) -> None:

@@ -42,6 +42,10 @@ def test_one_copy_then_stubs_then_zero_copy(ends):
     assert loan is not src and torch.equal(loan, src)
     assert w.fill(small) is None and w.fill(3) is None  # too small / not a tensor: left as is
     assert w.counters["filled"] == 1 and w.counters["filled_bytes"] == src.nbytes
+    # Not contiguous: left as is, and a decline the arena counts (its metrics' reason).
+    assert w.fill(torch.ones(2 * MiB, dtype=torch.uint8)[::2]) is None
+    assert w.arena.stats(holdings=False)["declined"]["not_contiguous"] == 1
+    assert w.counters["declined"] == 1
     c = w.consumer()
     c.new_message()
     stub = c(loan)

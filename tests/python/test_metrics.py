@@ -30,6 +30,7 @@ _CHILD = textwrap.dedent(
     metrics.record_writer_stats(writer(2, 100, 1, 1, 3))
     metrics.record_writer_stats(writer(5, 300, 4, 2, 1))  # cumulative: adds 3, 200, 3, 1
     metrics.record_reader_stats({"pinned_bytes": 4096, "held": 2, "pending_releases": 1})
+    metrics.record_reader_stats({"pinned_bytes": 64, "held": 1}, key="fe", arena="frontend")
     print("recorded", flush=True)
     sys.stdin.readline()  # stay alive (live gauges) until the parent has looked
     """
@@ -64,17 +65,22 @@ def test_values_from_child_processes_reach_another_process(tmp_path):
             assert c.stdout.readline().strip() == "recorded"
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
-        get = registry.get_sample_value
+
+        def get(name, **labels):
+            return registry.get_sample_value(name, {"arena": "queue", **labels})
+
         # Counters add up over processes.
         assert get("vllm:shm_arena_hits_total") == 10
         assert get("vllm:shm_arena_bytes_total") == 600
-        assert get("vllm:shm_arena_declined_total", {"reason": "no_free_slot"}) == 8
+        assert get("vllm:shm_arena_declined_total", reason="no_free_slot") == 8
         assert get("vllm:shm_arena_reclaimed_slots_total") == 4
-        # Live gauges: the sum over processes still running.
+        # Live gauges: the sum over processes still running, per arena.
         assert get("vllm:shm_arena_slots_in_use") == 2
         assert get("vllm:shm_arena_pinned_bytes") == 8192
         assert get("vllm:shm_arena_reader_held_slots") == 4
         assert get("vllm:shm_arena_pending_releases") == 2
+        assert get("vllm:shm_arena_pinned_bytes", arena="frontend") == 128
+        assert get("vllm:shm_arena_reader_held_slots", arena="frontend") == 2
     finally:
         for c in children:
             c.communicate("\n", timeout=60)
@@ -83,12 +89,13 @@ def test_values_from_child_processes_reach_another_process(tmp_path):
     # Exited processes take their live gauges with them; their counts stay.
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
-    assert registry.get_sample_value("vllm:shm_arena_hits_total") == 10
-    assert not registry.get_sample_value("vllm:shm_arena_pinned_bytes")
+    queue = {"arena": "queue"}
+    assert registry.get_sample_value("vllm:shm_arena_hits_total", queue) == 10
+    assert not registry.get_sample_value("vllm:shm_arena_pinned_bytes", queue)
 
 
-def _value(name: str, labels: dict | None = None) -> float:
-    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+def _value(name: str, labels: dict | None = None, arena: str = "queue") -> float:
+    return REGISTRY.get_sample_value(name, {"arena": arena, **(labels or {})}) or 0.0
 
 
 def test_cumulative_stats_become_increments():
@@ -109,11 +116,13 @@ def test_cumulative_stats_become_increments():
     # A MessageQueue.stats() dict (arena nested) is accepted as well.
     metrics.record_writer_stats({"messages": 9, "arena": {"hits": 2}}, key="c")
     assert _value("vllm:shm_arena_hits_total") - before == 14
-    # Forwards (a queue that forwards from a frontend arena) count on their own.
-    fwd = _value("vllm:shm_arena_forwarded_total")
+    # Forwards (a queue that forwards from a frontend arena) count on their own, as the
+    # frontend arena's.
+    fwd = _value("vllm:shm_arena_forwarded_total", arena="frontend")
     metrics.record_writer_stats({"hits": 2, "forwarded": 5}, key="c")
     metrics.record_writer_stats({"hits": 2, "forwarded": 8}, key="c")
-    assert _value("vllm:shm_arena_forwarded_total") - fwd == 8
+    assert _value("vllm:shm_arena_forwarded_total", arena="frontend") - fwd == 8
+    assert _value("vllm:shm_arena_forwarded_total") == 0
     assert _value("vllm:shm_arena_hits_total") - before == 14
 
 
@@ -127,18 +136,52 @@ def test_reader_gauges_take_the_latest_value():
     assert _value("vllm:shm_arena_pending_releases") == 2
 
 
-def test_the_frontend_arenas_counters_and_gauge():
+def _frontend(sends, in_use, owed, declined=None, reclaimed=0):
+    """A frontend arena writer's ``stats()`` as record_frontend_stats reads it."""
+    return {
+        "sends": sends,
+        "in_use": in_use,
+        "reclaimed": reclaimed,
+        "dead_readers": 0,
+        "declined": declined or {},
+        "holdings": [{"rank": r, "owed": n} for r, n in enumerate(owed)],
+    }
+
+
+def test_the_frontend_arenas_counters_and_gauges_are_its_own():
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         pytest.skip("reads this process's default registry")
-    names = ["filled", "filled_bytes", "stubs"]
-    before = {n: _value(f"vllm:shm_arena_frontend_{n}_total") for n in names}
-    metrics.record_frontend_stats(2, 200, 3, 2, [2, 1, 0], key="fe-test")
-    metrics.record_frontend_stats(5, 500, 9, 1, [1, 0, 4], key="fe-test")
-    got = {n: _value(f"vllm:shm_arena_frontend_{n}_total") - before[n] for n in names}
-    assert got == {"filled": 5, "filled_bytes": 500, "stubs": 9}
-    assert _value("vllm:shm_arena_frontend_slots_in_use") == 1
-    owed = [REGISTRY.get_sample_value("vllm:shm_arena_frontend_owed", {"rank": r}) for r in "012"]
+    names = ["hits", "bytes", "stubs", "reclaimed_slots"]
+    queue = {n: _value(f"vllm:shm_arena_{n}_total") for n in names}
+    before = {n: _value(f"vllm:shm_arena_{n}_total", arena="frontend") for n in names}
+    full = {"reason": "no_free_slot"}
+    full0 = _value("vllm:shm_arena_declined_total", full, arena="frontend")
+    metrics.record_frontend_stats(2, 200, _frontend(3, 2, [2, 1, 0], {"no_free_slot": 1}, 1))
+    metrics.record_frontend_stats(5, 500, _frontend(9, 1, [1, 0, 4], {"no_free_slot": 3}, 4))
+    got = {n: _value(f"vllm:shm_arena_{n}_total", arena="frontend") - before[n] for n in names}
+    assert got == {"hits": 5, "bytes": 500, "stubs": 9, "reclaimed_slots": 4}
+    assert _value("vllm:shm_arena_declined_total", full, arena="frontend") - full0 == 3
+    assert _value("vllm:shm_arena_slots_in_use", arena="frontend") == 1
+    owed = [_value("vllm:shm_arena_owed", {"rank": r}, arena="frontend") for r in "012"]
     assert owed == [1, 0, 4]  # a gauge per rank: what it owes now
+    # The queue's series are untouched.
+    assert {n: _value(f"vllm:shm_arena_{n}_total") for n in names} == queue
+
+
+def test_capacity_is_summed_per_kind_of_arena():
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        pytest.skip("reads this process's default registry")
+    metrics.record_arena_size("q1", 100, 200)
+    metrics.record_arena_size("q2", 50, 50)
+    metrics.record_arena_size("f1", 30, 40, metrics.FRONTEND)
+    assert _value("vllm:shm_arena_capacity_bytes") == 150
+    assert _value("vllm:shm_arena_requested_bytes") == 250
+    assert _value("vllm:shm_arena_capacity_bytes", arena="frontend") == 30
+    assert _value("vllm:shm_arena_requested_bytes", arena="frontend") == 40
+    metrics.forget_arena_size("f1")
+    metrics.forget_arena_size("q2")
+    assert _value("vllm:shm_arena_capacity_bytes") == 100
+    assert _value("vllm:shm_arena_capacity_bytes", arena="frontend") == 0
 
 
 def test_reader_checksum_mismatches_are_a_counter():
@@ -148,15 +191,22 @@ def test_reader_checksum_mismatches_are_a_counter():
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         pytest.skip("reads this process's default registry")
     name = "vllm:shm_arena_checksum_mismatches_total"
-    before = REGISTRY.get_sample_value(name)
+    queue = {"arena": "queue"}
+    before = REGISTRY.get_sample_value(name, queue)
     metrics.record_reader_stats({"held": 0, "checksum_mismatches": 0})
-    assert REGISTRY.get_sample_value(name) == (before or 0.0)
+    assert REGISTRY.get_sample_value(name, queue) == (before or 0.0)
     metrics.record_reader_stats({"held": 0, "checksum_mismatches": 2})
     metrics.record_reader_stats({"held": 0, "checksum_mismatches": 5})
-    assert REGISTRY.get_sample_value(name) - (before or 0.0) == 5
+    assert REGISTRY.get_sample_value(name, queue) - (before or 0.0) == 5
     # Another reader queue in the same process counts on its own.
     metrics.record_reader_stats({"checksum_mismatches": 1}, key="other")
-    assert REGISTRY.get_sample_value(name) - (before or 0.0) == 6
+    assert REGISTRY.get_sample_value(name, queue) - (before or 0.0) == 6
+    # A frontend arena reader: the frontend's series, 0 shown once it reported.
+    fe = {"arena": "frontend"}
+    fe0 = REGISTRY.get_sample_value(name, fe) or 0.0
+    metrics.record_reader_stats({"checksum_mismatches": 0}, key="fe", arena=metrics.FRONTEND)
+    assert REGISTRY.get_sample_value(name, fe) == fe0
+    assert REGISTRY.get_sample_value(name, queue) - (before or 0.0) == 6
 
 
 def test_everything_is_a_no_op_without_prometheus_client(monkeypatch):
@@ -180,7 +230,7 @@ def test_a_broken_metrics_backend_never_breaks_the_caller(monkeypatch, caplog):
     def boom(*args, **kwargs):
         raise ValueError("registry exploded")
 
-    monkeypatch.setattr(metrics._metrics.hits, "inc", boom)
+    monkeypatch.setattr(metrics._metrics.hits, "labels", boom)
     metrics.record_writer_stats({"hits": 10**9}, key="boom")  # must not raise
     assert metrics.enabled() is False
     assert sum("metrics disabled" in r.getMessage() for r in caplog.records) == 1

@@ -351,8 +351,9 @@ def test_the_capacity_gauges_follow_live_arenas():
     metrics._reset()
     try:
         mq = MessageQueue(1, 1, max_chunk_bytes=MiB, max_chunks=2, enable_shm_tensor_arena=True)
-        cap = prom.REGISTRY.get_sample_value("vllm:shm_arena_capacity_bytes")
-        req = prom.REGISTRY.get_sample_value("vllm:shm_arena_requested_bytes")
+        queue = {"arena": "queue"}
+        cap = prom.REGISTRY.get_sample_value("vllm:shm_arena_capacity_bytes", queue)
+        req = prom.REGISTRY.get_sample_value("vllm:shm_arena_requested_bytes", queue)
         assert cap == mq.stats()["arena_size"]["arena_bytes"] > 0
         assert req == mq.stats()["arena_size"]["requested_bytes"]
         mq.shutdown()
@@ -360,7 +361,7 @@ def test_the_capacity_gauges_follow_live_arenas():
         import gc
 
         gc.collect()
-        assert prom.REGISTRY.get_sample_value("vllm:shm_arena_capacity_bytes") == 0
+        assert prom.REGISTRY.get_sample_value("vllm:shm_arena_capacity_bytes", queue) == 0
     finally:
         metrics._reset()
 

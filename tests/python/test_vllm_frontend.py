@@ -283,8 +283,16 @@ def test_the_engine_core_attaches_before_its_executor_so_its_queue_forwards(inst
         w.arena.close()
 
 
+def _reported(args: tuple) -> tuple:
+    """A record_frontend_stats call -> (filled, bytes, stubs sent, in use, owed by rank)."""
+    filled, nbytes, stats = args
+    owed = [h["owed"] for h in sorted(stats["holdings"], key=lambda h: h["rank"])]
+    return filled, nbytes, stats["sends"], stats["in_use"], owed
+
+
 def test_the_api_server_reports_what_each_rank_owes(monkeypatch):
-    # vllm:shm_arena_frontend_owed{rank}: a stub sent to the engine core is owed by rank 0
+    # vllm:shm_arena_owed{arena="frontend",rank}: a stub sent to the engine core is owed by
+    # rank 0
     # until the tensor it became there dies; then nothing is owed and the slot is free.
     got = []
     monkeypatch.setattr(vllm_frontend.metrics, "enabled", lambda: True)
@@ -301,7 +309,7 @@ def test_the_api_server_reports_what_each_rank_owes(monkeypatch):
         def report():
             monkeypatch.setattr(vllm_frontend, "_reported_at", 0.0)
             vllm_frontend._report(w)
-            return got[-1][3:]  # in use, owed by rank
+            return _reported(got[-1])[3:]  # in use, owed by rank
 
         assert report() == (1, [1, 0])  # sent, not yet decoded by the engine core
         t = core("float32", [MiB // 2], stub)
@@ -324,11 +332,11 @@ def test_the_api_server_reports_the_frontend_arena_at_most_once_a_second(monkeyp
         loan = w.fill(torch.ones(MiB // 2))  # 2 MiB: one copy
         vllm_frontend._report(w)
         vllm_frontend._report(w)  # within the second: not again
-        assert got == [(1, 2 * MiB, 0, 1, [0, 0])]  # filled, bytes, stubs, in use, owed
+        assert [_reported(g) for g in got] == [(1, 2 * MiB, 0, 1, [0, 0])]
         del loan
         monkeypatch.setattr(vllm_frontend, "_reported_at", 0.0)
         vllm_frontend._report(w)
-        assert got[-1] == (1, 2 * MiB, 0, 0, [0, 0])  # nobody holds it: recycled, not in use
+        assert _reported(got[-1]) == (1, 2 * MiB, 0, 0, [0, 0])  # recycled: not in use
         w.arena.close()
         monkeypatch.setattr(vllm_frontend, "_reported_at", 0.0)
         vllm_frontend._report(w)  # closed (the API server's exit): nothing, no error

@@ -36,7 +36,7 @@ import time
 from collections import deque
 from typing import Any
 
-from vllm_shm_arena import settings
+from vllm_shm_arena import metrics, settings
 from vllm_shm_arena._ext import _C
 from vllm_shm_arena.arena import (
     FrameStubs,
@@ -427,13 +427,13 @@ class LocalReaderEnd(_ReaderEnd):
             raise self.ended.error()
         self._raise_if_broken()
         arena = self.arena
-        if arena is not None:
-            if arena.needs_flush:  # something was pinned: releases wait for their events
-                arena.flush_releases()
-            self.reporter.maybe_report(self)
+        if arena is not None and arena.needs_flush:  # pinned: releases wait for their events
+            arena.flush_releases()
         frontend = self.frontend
         if frontend is not None and frontend.needs_flush:
             frontend.flush_releases()
+        if arena is not None or frontend is not None:
+            self.reporter.maybe_report(self)
         if not inbox:
             self._wait_ring(deadline, indefinite)
         arrived = time.perf_counter()
@@ -529,6 +529,8 @@ class LocalReaderEnd(_ReaderEnd):
     def report(self) -> None:
         if self.arena is not None:
             self.reporter.report_reader_arena(self.arena)
+        if self.frontend is not None:
+            self.reporter.report_reader_arena(self.frontend, metrics.FRONTEND)
 
     def _close_locked(self, drain_s: float) -> None:
         self.socket.close()

@@ -73,7 +73,7 @@ class Reporter:
         self.timer = None  # a report owed (see maybe_report)
         self._liveness_logged: dict[str, int] = {}  # verdict counts already logged
         self._last_decline: dict[str, int] = {}
-        self._mismatches = 0
+        self._mismatches: dict[str, int] = {}  # per arena kind: the last count warned of
 
     # ------------------------------------------------------------------ when
     def maybe_report(self, end) -> None:
@@ -164,16 +164,19 @@ class Reporter:
                     h["oldest_age_s"],
                 )
 
-    def report_reader_arena(self, arena) -> None:
-        """A reader arena's metrics, and a warning when more checksum mismatches were seen."""
+    def report_reader_arena(self, arena, kind: str = metrics.QUEUE) -> None:
+        """A reader arena's metrics (``kind``: the ``arena`` label), and a warning when more
+        checksum mismatches were seen in it."""
         rs = arena.stats()
-        metrics.record_reader_stats(rs)
-        if rs["checksum_mismatches"] > self._mismatches:
-            self._mismatches = rs["checksum_mismatches"]
+        metrics.record_reader_stats(rs, key=f"reader:{arena.name}", arena=kind)
+        seen = self._mismatches.get(kind, 0)
+        if rs["checksum_mismatches"] > seen:
+            self._mismatches[kind] = rs["checksum_mismatches"]
             logger.warning(
-                "vllm_shm_arena: %d arena tensor(s) changed between write and release "
+                "vllm_shm_arena: %d %s arena tensor(s) changed between write and release "
                 "(an in-place write by a reader? other readers saw it too)",
-                self._mismatches,
+                rs["checksum_mismatches"],
+                kind,
             )
 
 

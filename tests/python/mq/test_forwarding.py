@@ -386,3 +386,26 @@ def test_a_join_that_fails_leaves_the_frontend_rank_for_its_retry(fe):
         assert w.stats()["arena"]["forwarded"] == 1
     finally:
         shutdown_all(w, rs)
+
+
+def test_a_worker_reports_its_frontend_arena_under_its_own_label(fe, monkeypatch):
+    """A worker's report covers both arenas it reads: the queue's as ``arena="queue"``, the
+    frontend arena's (what it holds of the forwarded tensors) as ``arena="frontend"``."""
+    from vllm_shm_arena.mq import reporting
+
+    got = []
+    monkeypatch.setattr(
+        reporting.metrics, "record_reader_stats", lambda s, key, arena: got.append((arena, s))
+    )
+    w, rs = queue_with_readers()
+    try:
+        t = fe.held(5)
+        w.enqueue({"t": t})
+        kept = rs[0].dequeue(timeout=10)["t"]
+        rs[1].dequeue(timeout=10)
+        rs[0]._end.report()
+        held = {arena: s["held"] for arena, s in got}
+        assert held == {"queue": 0, "frontend": 1}, got
+        del kept, t
+    finally:
+        shutdown_all(w, rs)

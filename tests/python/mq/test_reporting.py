@@ -270,10 +270,13 @@ def test_the_writer_arena_report_records_metrics_and_rate_limits_its_warnings(mo
 
 def test_the_reader_arena_report_warns_when_more_checksums_mismatched(monkeypatch, caplog):
     recorded = []
-    monkeypatch.setattr(reporting.metrics, "record_reader_stats", recorded.append)
+    monkeypatch.setattr(
+        reporting.metrics, "record_reader_stats", lambda s, **kw: recorded.append((s, kw))
+    )
 
     class ReaderArena:
         mismatches = 0
+        name = "vsa_test"
 
         def stats(self):
             return {"checksum_mismatches": self.mismatches}
@@ -285,9 +288,13 @@ def test_the_reader_arena_report_warns_when_more_checksums_mismatched(monkeypatc
         a.mismatches = 2
         sut.report_reader_arena(a)
         sut.report_reader_arena(a)
-    assert len(recorded) == 3
+        sut.report_reader_arena(a, "frontend")  # another arena's count: warned on its own
+    assert len(recorded) == 4
+    assert [kw["arena"] for _, kw in recorded] == ["queue"] * 3 + ["frontend"]
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "2 arena tensor(s) changed between write and release" in lines[0]
+    assert len(lines) == 2
+    assert "2 queue arena tensor(s) changed between write and release" in lines[0]
+    assert "2 frontend arena tensor(s)" in lines[1]
 
 
 def test_counters_start_at_zero():
