@@ -82,6 +82,7 @@ from typing import Any
 from serve_lib import (  # e2e/, beside this file
     ARENA_LINE,
     IMAGE_KINDS,
+    LABEL,
     MISMATCH_LINE,
     SAMPLE,
     CheckFailed,
@@ -100,6 +101,8 @@ from serve_lib import (  # e2e/, beside this file
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: Tensor-parallel workers of every server (the frontend arena has 1 + SERVE_TP ranks).
+SERVE_TP = 2
 FORCE_KILL_LINE = "force killing"
 #: vLLM's executor SIGTERMs workers that have not exited 5 s after it asked them to; on this
 #: CPU build that happens with the flag off as well, so it is recorded, not failed.
@@ -206,7 +209,7 @@ class Server(ProcessGroup):
             "--port",
             str(self.port),
             "--tensor-parallel-size",
-            "2",
+            str(SERVE_TP),
             "--distributed-executor-backend",
             "mp",
             "--enforce-eager",
@@ -467,13 +470,36 @@ TOO_BIG_MIN_MB = "8"
 ABORT_LONG_TOKENS = 3000
 
 
+def ack_balance(m: dict[str, float]) -> list[list[int]]:
+    """From one ``/metrics`` read: per rank of the frontend arena, ``[rank, acked + owed,
+    sent]``: the stubs it acked (``vllm:shm_arena_acked_total``, exported by that rank's own
+    process) plus those it owes now, against what it was sent: the API server's stubs for
+    rank 0 (the engine core), the engine core's forwards for each worker rank."""
+    ranks = set()
+    for key in m:
+        name, _, labels = key.partition("{")
+        if name in ("vllm:shm_arena_acked_total", "vllm:shm_arena_owed"):
+            have = {x.group("k"): x.group("v") for x in LABEL.finditer(labels)}
+            if have.get("arena") == "frontend" and "rank" in have:
+                ranks.add(int(have["rank"]))
+    out = []
+    for r in sorted(ranks):
+        acked = metric(m, "vllm:shm_arena_acked_total", arena="frontend", rank=str(r))
+        owed = metric(m, "vllm:shm_arena_owed", arena="frontend", rank=str(r))
+        sent = frontend_stubs(m) if r == 0 else _forwarded_total(m)
+        out.append([r, int(acked + owed), int(sent)])
+    return out
+
+
 def frontend_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
     """Between two ``settle_metrics`` reads: the frontend arena's fills, the forwards, the
-    queue-arena hits, and at the second the frontend slots in use and the acks owed."""
+    queue-arena hits, and at the second the frontend slots in use, the acks owed and each
+    rank's ack balance (``ack_balance``)."""
     core_owed, workers_owed = frontend_owed(after)
     return {
         "core_owed": core_owed,
         "workers_owed": workers_owed,
+        "ack_balance": ack_balance(after),
         "filled": frontend_filled(after) - frontend_filled(before),
         "forwarded": _forwarded_total(after) - _forwarded_total(before),
         "hits": _arena_totals(after)[0] - _arena_totals(before)[0],
@@ -878,6 +904,18 @@ def eviction_checks(rec: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
             all(r["workers_owed"] == 0 and 0 <= r["core_owed"] <= r["in_use"] for r in rows)
             and any(r["core_owed"] > 0 for r in rows),
             json.dumps([(r["core_owed"], r["workers_owed"]) for r in rows]),
+        ),
+        (
+            "eviction",
+            "every rank's acks account for what it was sent, after each request: acked "
+            '(vllm:shm_arena_acked_total{arena="frontend",rank}, from its own process) plus '
+            "owed = the stubs sent (the engine core) or the forwards (each worker)",
+            all(
+                len(r["ack_balance"]) == 1 + SERVE_TP
+                and all(total == sent for _, total, sent in r["ack_balance"])
+                for r in rows
+            ),
+            json.dumps([r["ack_balance"] for r in rows]),
         ),
         (
             "eviction",

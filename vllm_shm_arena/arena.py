@@ -312,8 +312,9 @@ class ShmTensorArena:
         no_free_slot, no_space, unsupported, no_record}, cold/warm copies and bytes,
         reclaimed, dead_readers, aborted, loans/loans_sent/loans_returned, in_use,
         free_bytes/largest_free (variable layout), holdings (per reader: state, slots held,
-        age of the oldest; ``holdings=False`` leaves that walk out). Reader: held,
-        pinned_bytes, pending_releases, pin statistics, checksum_mismatches (with
+        age of the oldest; ``holdings=False`` leaves that walk out). Reader: rank, held,
+        acked (counted arenas: the stubs this reader acked so far), pinned_bytes,
+        pending_releases, pin statistics, checksum_mismatches (with
         VLLM_SHM_ARENA_DEBUG_CHECKSUM=1 on the writer: releases whose slot bytes had changed
         since the write, e.g. an in-place write by a reader)."""
         raise NotImplementedError

@@ -27,6 +27,9 @@ The frontend arena only (``arena="frontend"``):
   again, e.g. for ``n`` > 1, is one more stub, never another copy);
 * ``vllm:shm_arena_forwarded_total``: its tensors the engine core sent to the workers by
   reference (counted by the engine core; not in any hits);
+* ``vllm:shm_arena_acked_total{rank}``: the stubs each rank acked (exported by that rank's
+  process: the engine core for rank 0, worker ``i`` for rank ``1 + i``), each once the
+  tensors it became were done (pinned: after their H2D copy);
 * ``vllm:shm_arena_owed{rank}``: the acks each rank owes it now, over its live allocations:
   stubs sent to the engine core (rank 0) and forwarded to worker ``i`` (rank ``1 + i``) whose
   tensors are still alive there, or not yet dequeued. It returns to 0 when a rank let go of
@@ -137,6 +140,12 @@ class _Metrics:
         )
         self.slots_in_use = self._make(
             gauge, "slots_in_use", "Arena allocations some process may still read", **live
+        )
+        self.acked = self._make(
+            counter,
+            "acked",
+            "Stubs a reader rank acked to a counted arena (each when its tensors were done)",
+            extra=["rank"],
         )
         self.owed = self._make(
             gauge,
@@ -299,8 +308,9 @@ def record_writer_stats(stats: Mapping[str, Any], key: str = "writer") -> None:
 def record_reader_stats(stats: Mapping[str, Any], key: str = "reader", arena: str = QUEUE) -> None:
     """Exports a reader's ``ShmTensorArena.stats()`` (``pinned_bytes``, ``held``,
     ``pending_releases``) as this process's gauge values for ``arena`` (summed over live
-    processes), and the increase of its cumulative ``checksum_mismatches`` (``key`` tells
-    apart several readers in one process). Never raises."""
+    processes), and the increase of its cumulative ``checksum_mismatches`` and, for the
+    frontend arena, of the stubs its ``rank`` ``acked`` (``key`` tells apart several readers
+    in one process). Never raises."""
     m = _get()
     if m is None:
         return
@@ -308,8 +318,11 @@ def record_reader_stats(stats: Mapping[str, Any], key: str = "reader", arena: st
         stats = stats["arena"]
     with _lock:
         mismatches = _increase(key, "checksum_mismatches", stats.get("checksum_mismatches"))
+        acked = _increase(key, "acked", stats.get("acked"))
     # inc(0) too: a reader that reported shows 0 at /metrics, not nothing.
     m.checksum_mismatches.labels(arena=arena).inc(mismatches)
+    if arena == FRONTEND and "rank" in stats:  # a counted arena: acks are per stub
+        m.acked.labels(arena=arena, rank=str(stats["rank"])).inc(acked)
     m.pinned_bytes.labels(arena=arena).set(int(stats.get("pinned_bytes") or 0))
     m.held.labels(arena=arena).set(int(stats.get("held") or 0))
     m.pending.labels(arena=arena).set(int(stats.get("pending_releases") or 0))

@@ -368,6 +368,8 @@ class TensorArenaReader {
     py::dict d;
     d["held"] = s.held;
     d["checksum_mismatches"] = s.checksum_mismatches;
+    d["rank"] = reader().rank();
+    d["acked"] = s.acked;
     d["pinned_bytes"] = s.pinned_bytes;
     d["pin_failed"] = s.pin_failed;
     d["pin_no_space"] = s.pin_no_space;

@@ -1081,6 +1081,7 @@ void ArenaReader::release(uint32_t slot, uint64_t generation) {
     // the writer's acquire loads in reader_done()).
     CountEntry* e = acked_entry(region_->data(), geo_, rank_, slot);
     store_count(e, generation, own_count(e, generation) + hold.stubs);
+    acked_.fetch_add(hold.stubs, std::memory_order_relaxed);
     return;
   }
   // SYNC POINT: release; pairs with the writer's acquire load in reader_done(): every read of
@@ -1102,6 +1103,7 @@ void ArenaReader::release_unacquired(uint32_t slot, uint64_t generation) {
   if (geo_.counted) {
     CountEntry* e = acked_entry(base, geo_, rank_, slot);
     store_count(e, generation, own_count(e, generation) + 1);  // release: see store_count
+    acked_.fetch_add(1, std::memory_order_relaxed);
     return;
   }
   // SYNC POINT: release; pairs with the writer's acquire load in reader_done().

@@ -359,6 +359,9 @@ class ArenaReader {
   size_t held() const;
   /// Debug mode: releases whose payload no longer matched the writer's checksum.
   uint64_t checksum_mismatches() const { return mismatches_.load(std::memory_order_relaxed); }
+  /// Counted arenas: the stubs this reader acked so far (holds that ended, stubs released
+  /// unacquired), whatever became of the slots since.
+  uint64_t acked() const { return acked_.load(std::memory_order_relaxed); }
 
  private:
   ArenaReader(std::shared_ptr<ShmRegion> region, const ArenaGeometry& geo, uint32_t rank,
@@ -386,6 +389,7 @@ class ArenaReader {
   std::unordered_map<uint32_t, Hold> holds_;
   std::map<uint64_t, uint32_t> holds_by_offset_;  // held allocations: offset -> slot
   std::atomic<uint64_t> mismatches_{0};           // process-local counter, not shared memory
+  std::atomic<uint64_t> acked_{0};                // process-local counter, not shared memory
 };
 
 }  // namespace vllm_shm_arena

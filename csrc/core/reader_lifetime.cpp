@@ -184,6 +184,7 @@ ReaderHoldsStats ReaderHolds::stats() const {
   ReaderHoldsStats s;
   s.held = reader_->held();
   s.checksum_mismatches = reader_->checksum_mismatches();
+  s.acked = reader_->acked();
   std::lock_guard<std::mutex> lock(mu_);
   s.pin_no_space = pin_no_space_;
   s.pin_failed = pin_no_space_;

@@ -122,6 +122,7 @@ uint64_t pin_chunk_bytes(bool variable, uint64_t data_bytes, uint64_t slot_bytes
 struct ReaderHoldsStats {
   size_t held = 0;                   ///< slots acquired and not yet released
   uint64_t checksum_mismatches = 0;  ///< debug mode: releases whose payload had changed
+  uint64_t acked = 0;                ///< counted arenas: stubs acked so far
   size_t pinned_bytes = 0;           ///< bytes of the data region page-locked now
   bool pin_failed = false;           ///< a registration failed, or pin_no_space
   bool pin_no_space = false;         ///< the data region could not be backed for pinning

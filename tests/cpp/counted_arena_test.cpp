@@ -120,6 +120,10 @@ TEST_CASE("counted arena: freed once every send and every forward is acked, in a
       }
       CHECK(freed(*w));
       CHECK(w->stats().reclaimed == 1);
+      // Each reader's own count of what it acked: its sends or forwards, once each.
+      CHECK(r0->acked() == 3);
+      CHECK(r1->acked() == 2);
+      CHECK(r2->acked() == 2);
       // The slot is reusable, and the old stub is stale everywhere.
       CHECK_THROWS_AS(r0->acquire(a.slot, a.generation, n), InvalidArgument);
       Allocation b = filled_loan(*w, n, 8);
@@ -307,10 +311,13 @@ TEST_CASE("counted arena: a stub reader 0 failed to unpickle is acked once, held
   r0->acquire(a.slot, a.generation, 4096);       // the first message
   r0->release_unacquired(a.slot, a.generation);  // the second could not be unpickled
   CHECK_FALSE(freed(*w));                        // the first is still held
+  CHECK(r0->acked() == 1);
   r0->release(a.slot, a.generation);
   CHECK(freed(*w));
+  CHECK(r0->acked() == 2);
   r0->release_unacquired(a.slot, a.generation);  // stale: nothing happens
   CHECK(w->stats().in_use == 0);
+  CHECK(r0->acked() == 2);
 }
 
 TEST_CASE("counted arena: find_hold names the allocation a pointer lies in", "[arena][counted]") {

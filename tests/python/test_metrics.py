@@ -209,6 +209,23 @@ def test_reader_checksum_mismatches_are_a_counter():
     assert REGISTRY.get_sample_value(name, queue) - (before or 0.0) == 6
 
 
+def test_a_frontend_readers_acks_are_a_counter_per_rank():
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        pytest.skip("reads this process's default registry")
+    name = "vllm:shm_arena_acked_total"
+    before = [_value(name, {"rank": r}, arena="frontend") for r in "01"]
+    metrics.record_reader_stats({"rank": 0, "acked": 4}, key="fe0", arena=metrics.FRONTEND)
+    metrics.record_reader_stats({"rank": 1, "acked": 2}, key="fe1", arena=metrics.FRONTEND)
+    metrics.record_reader_stats({"rank": 1, "acked": 7}, key="fe1", arena=metrics.FRONTEND)
+    got = [
+        _value(name, {"rank": r}, arena="frontend") - b for r, b in zip("01", before, strict=True)
+    ]
+    assert got == [4, 7]
+    # A queue arena's readers ack nothing per stub: no series.
+    metrics.record_reader_stats({"rank": 0, "acked": 0}, key="q")
+    assert REGISTRY.get_sample_value(name, {"arena": "queue", "rank": "0"}) is None
+
+
 def test_everything_is_a_no_op_without_prometheus_client(monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # import raises ImportError
     metrics._reset()

@@ -267,6 +267,8 @@ class WriterEnd(End):
         #: chunk (``_create_blob_region``; None once closed). ``blob_arena`` is where they go.
         self.blob_region: ShmTensorArena | None = None
         self.blob_max = 0  # largest message packed into an arena blob (0: none)
+        #: The frontend arena's reader 0 this queue forwards from (``_forward_from``), or None.
+        self.forward_source: ShmTensorArena | None = None
         #: The sequence number of the last message sent (protocol.py; the first is 1).
         self.seq = 0
         #: The last enqueue's record, until the next call under the lock checks it was settled
@@ -302,7 +304,7 @@ class WriterEnd(End):
                     self.arena, self.arena_size = _create_arena(n_local_reader, self.ring)
             elif n_local_reader > 0:
                 self.blob_region = _create_blob_region(n_local_reader, self.ring)
-            frontend = self._forward_from(take_forward_source())
+            self.forward_source = frontend = self._forward_from(take_forward_source())
             if self.blob_region is not None:
                 # A region of its own: any message up to half of it (two fit at once; when it
                 # is full, a message goes over the socket).
@@ -631,6 +633,11 @@ class WriterEnd(End):
         self.report_liveness()
         if self.arena is not None:
             self.reporter.report_writer_arena(self.arena)
+        source = self.forward_source
+        if source is not None:
+            # This process's rank 0 of the frontend arena (vLLM's engine core: what its
+            # multimodal cache holds, the stubs it acked; the totals at close once closed).
+            self.reporter.report_reader_arena(source, metrics.FRONTEND)
 
     def report_liveness(self) -> None:
         """Logs liveness verdicts other than alive, once per new count (see ``Reporter``)."""

@@ -89,6 +89,7 @@ def test_each_end_has_only_its_roles_state(roles):
         "arena_size",
         "blob_region",
         "blob_max",
+        "forward_source",
         "sockets",
         "handle",
         "roster",

@@ -388,24 +388,37 @@ def test_a_join_that_fails_leaves_the_frontend_rank_for_its_retry(fe):
         shutdown_all(w, rs)
 
 
-def test_a_worker_reports_its_frontend_arena_under_its_own_label(fe, monkeypatch):
+def test_each_rank_reports_the_frontend_arena_under_its_own_label(fe, monkeypatch):
     """A worker's report covers both arenas it reads: the queue's as ``arena="queue"``, the
-    frontend arena's (what it holds of the forwarded tensors) as ``arena="frontend"``."""
+    frontend arena's (what it holds of the forwarded tensors, the stubs it acked) as
+    ``arena="frontend"``; the writer's covers its rank 0 of the frontend arena (the engine
+    core's holds and acks)."""
     from vllm_shm_arena.mq import reporting
 
     got = []
     monkeypatch.setattr(
         reporting.metrics, "record_reader_stats", lambda s, key, arena: got.append((arena, s))
     )
+    monkeypatch.setattr(reporting.metrics, "record_writer_stats", lambda *a, **k: None)
+
+    def report(end) -> dict:
+        got.clear()
+        end.report()
+        return {(arena, s["rank"]): (s["held"], s["acked"]) for arena, s in got}
+
     w, rs = queue_with_readers()
     try:
         t = fe.held(5)
         w.enqueue({"t": t})
         kept = rs[0].dequeue(timeout=10)["t"]
         rs[1].dequeue(timeout=10)
-        rs[0]._end.report()
-        held = {arena: s["held"] for arena, s in got}
-        assert held == {"queue": 0, "frontend": 1}, got
-        del kept, t
+        assert report(rs[0]._end) == {("queue", 0): (0, 0), ("frontend", 1): (1, 0)}
+        del kept
+        freed(fe, rs, want=1)  # rank 0 (this process, ``t``) still holds it
+        assert report(rs[0]._end)[("frontend", 1)] == (0, 1)
+        assert report(w._end) == {("frontend", 0): (1, 0)}
+        del t
+        freed(fe, rs)
+        assert report(w._end) == {("frontend", 0): (0, 1)}
     finally:
         shutdown_all(w, rs)
