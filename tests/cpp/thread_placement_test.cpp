@@ -54,6 +54,23 @@ void pin_caller(int cpu) {
   REQUIRE(sched_setaffinity(0, sizeof(set), &set) == 0);
 }
 
+// The CPUs this thread may use -> `mine`; false (the test skipped) with fewer than two.
+bool two_cpus(std::vector<int>* mine) {
+  *mine = cpus_of(0);
+  if (mine->size() >= 2) return true;
+  VSA_SKIP("needs two CPUs");
+  return false;
+}
+
+// Gives the calling thread its affinity mask back at scope exit, however the test ends
+// (Catch2 runs the next test case on the same thread).
+struct RestoreCallerMask {
+  cpu_set_t saved;
+  RestoreCallerMask() { REQUIRE(sched_getaffinity(0, sizeof(saved), &saved) == 0); }
+  ~RestoreCallerMask() { sched_setaffinity(0, sizeof(saved), &saved); }
+  void now() const { REQUIRE(sched_setaffinity(0, sizeof(saved), &saved) == 0); }
+};
+
 bool contains(const std::vector<int>& v, int x) {
   for (int c : v) {
     if (c == x) return true;
@@ -75,15 +92,11 @@ TEST_CASE("find_threads finds this process's threads by name prefix", "[placemen
 
 TEST_CASE("helper threads are kept off the caller's CPU, wherever it runs, until released",
           "[placement]") {
-  std::vector<int> mine = cpus_of(0);
-  if (mine.size() < 2) {
-    VSA_SKIP("needs two CPUs");
-    return;
-  }
+  std::vector<int> mine;
+  if (!two_cpus(&mine)) return;
   Helper h("vsa-pl-steer");
   std::vector<int> before = cpus_of(h.tid.load());
-  cpu_set_t saved;
-  REQUIRE(sched_getaffinity(0, sizeof(saved), &saved) == 0);
+  RestoreCallerMask restore;
   {
     ThreadPlacement p({h.tid.load()});
     REQUIRE(p.size() == 1);
@@ -104,17 +117,12 @@ TEST_CASE("helper threads are kept off the caller's CPU, wherever it runs, until
     p.release();  // not narrowed: nothing to do
     CHECK(cpus_of(h.tid.load()) == before);
   }
-  REQUIRE(sched_setaffinity(0, sizeof(saved), &saved) == 0);
 }
 
 TEST_CASE("a thread with one CPU keeps it; a gone thread is dropped", "[placement]") {
-  std::vector<int> mine = cpus_of(0);
-  if (mine.size() < 2) {
-    VSA_SKIP("needs two CPUs");
-    return;
-  }
-  cpu_set_t saved;
-  REQUIRE(sched_getaffinity(0, sizeof(saved), &saved) == 0);
+  std::vector<int> mine;
+  if (!two_cpus(&mine)) return;
+  RestoreCallerMask restore;
   Helper single("vsa-pl-single");
   cpu_set_t one;
   CPU_ZERO(&one);
@@ -131,7 +139,7 @@ TEST_CASE("a thread with one CPU keeps it; a gone thread is dropped", "[placemen
   p.release();
   CHECK(contains(cpus_of(steered.tid.load()), mine[0]));
   // A thread that exited after construction: dropped at the next move, nothing thrown.
-  REQUIRE(sched_setaffinity(0, sizeof(saved), &saved) == 0);  // new threads inherit it
+  restore.now();  // new threads inherit the caller's mask
   Helper other("vsa-pl-other");
   Helper* late = new Helper("vsa-pl-late");
   ThreadPlacement r({late->tid.load(), other.tid.load()});
@@ -141,15 +149,11 @@ TEST_CASE("a thread with one CPU keeps it; a gone thread is dropped", "[placemen
   r.keep_off_caller();
   CHECK(r.size() == 1);
   CHECK_FALSE(contains(cpus_of(other.tid.load()), mine[1]));
-  REQUIRE(sched_setaffinity(0, sizeof(saved), &saved) == 0);
 }
 
 TEST_CASE("a forked child never steers its parent's threads", "[placement]") {
-  std::vector<int> mine = cpus_of(0);
-  if (mine.size() < 2) {
-    VSA_SKIP("needs two CPUs");
-    return;
-  }
+  std::vector<int> mine;
+  if (!two_cpus(&mine)) return;
   Helper h("vsa-pl-fork");
   std::vector<int> before = cpus_of(h.tid.load());
   ThreadPlacement p({h.tid.load()});
