@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
@@ -159,22 +160,11 @@ unsigned tighter(unsigned a, unsigned b) {
   return std::min(a, b);
 }
 
-// CPUs in the calling thread's affinity mask, sized for hosts with more than CPU_SETSIZE CPUs.
+// CPUs in the calling thread's affinity mask (hardware_concurrency if it cannot be read).
 unsigned affinity_cpus() {
-  for (size_t ncpu = CPU_SETSIZE; ncpu <= (size_t{1} << 16); ncpu *= 2) {
-    cpu_set_t* set = CPU_ALLOC(ncpu);
-    if (set == nullptr) break;
-    size_t bytes = CPU_ALLOC_SIZE(ncpu);
-    if (sched_getaffinity(0, bytes, set) == 0) {
-      int n = CPU_COUNT_S(bytes, set);
-      CPU_FREE(set);
-      return n > 0 ? static_cast<unsigned>(n) : 1u;
-    }
-    int err = errno;
-    CPU_FREE(set);
-    if (err != EINVAL) break;  // EINVAL: the kernel's mask is larger than ours; retry
-  }
-  return std::max(1u, std::thread::hardware_concurrency());
+  std::vector<unsigned long> mask = affinity_mask(0);
+  if (mask.empty()) return std::max(1u, std::thread::hardware_concurrency());
+  return static_cast<unsigned>(std::max<size_t>(1, mask_cpus(mask)));
 }
 
 unsigned system_cgroup_limit() {
@@ -503,5 +493,24 @@ unsigned cgroup_cpu_limit(const std::string& cgroup_root, const std::string& pro
 }
 void set_min_parallel_bytes(size_t n) { pool_instance()->set_min_parallel(n); }
 CopyPoolStats copy_pool_stats() { return pool_instance()->stats(); }
+
+std::vector<unsigned long> affinity_mask(pid_t tid) {
+  constexpr size_t kBitsPerWord = sizeof(unsigned long) * CHAR_BIT;
+  for (size_t ncpu = CPU_SETSIZE; ncpu <= (size_t{1} << 16); ncpu *= 2) {
+    std::vector<unsigned long> words(ncpu / kBitsPerWord, 0);
+    size_t bytes = words.size() * sizeof(unsigned long);
+    if (sched_getaffinity(tid, bytes, reinterpret_cast<cpu_set_t*>(words.data())) == 0) {
+      return words;
+    }
+    if (errno != EINVAL) break;  // EINVAL: the kernel's mask is larger than ours; retry
+  }
+  return {};
+}
+
+size_t mask_cpus(const std::vector<unsigned long>& mask) {
+  size_t n = 0;
+  for (unsigned long w : mask) n += static_cast<size_t>(__builtin_popcountl(w));
+  return n;
+}
 
 }  // namespace vllm_shm_arena

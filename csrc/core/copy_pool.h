@@ -34,9 +34,12 @@
 // terminated, so exit can't hang on a join.
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace vllm_shm_arena {
 
@@ -86,6 +89,13 @@ void set_copy_readers(unsigned n);
 
 /// Threads (caller included) a copy of at least min_parallel_bytes would use now.
 unsigned copy_threads();
+
+/// Thread `tid`'s sched_getaffinity mask (0: the calling thread's) as the words of a
+/// cpu_set_t sized for the kernel's mask (read whole on hosts with more than CPU_SETSIZE
+/// CPUs); empty when it cannot be read.
+std::vector<unsigned long> affinity_mask(pid_t tid);
+/// CPUs set in a mask from affinity_mask.
+size_t mask_cpus(const std::vector<unsigned long>& mask);
 
 /// CPUs this process may run on: the calling thread's sched_getaffinity mask, capped by the
 /// cgroup CPU quota (cgroup_cpu_limit under /sys/fs/cgroup). At least 1.

@@ -1,11 +1,12 @@
 #include "core/thread_placement.h"
 
+#include "core/copy_pool.h"
+
 #include <dirent.h>
 #include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cerrno>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
@@ -16,29 +17,9 @@ namespace {
 
 constexpr size_t kBitsPerWord = sizeof(unsigned long) * CHAR_BIT;
 
-// `tid`'s affinity mask in words sized for the kernel's mask (retried larger on EINVAL, for
-// hosts with more than CPU_SETSIZE CPUs); empty if it cannot be read.
-std::vector<unsigned long> affinity_of(pid_t tid) {
-  for (size_t ncpu = CPU_SETSIZE; ncpu <= (size_t{1} << 16); ncpu *= 2) {
-    std::vector<unsigned long> words(ncpu / kBitsPerWord, 0);
-    size_t bytes = words.size() * sizeof(unsigned long);
-    if (sched_getaffinity(tid, bytes, reinterpret_cast<cpu_set_t*>(words.data())) == 0) {
-      return words;
-    }
-    if (errno != EINVAL) break;
-  }
-  return {};
-}
-
 bool has_cpu(const std::vector<unsigned long>& words, size_t cpu) {
   size_t w = cpu / kBitsPerWord;
   return w < words.size() && ((words[w] >> (cpu % kBitsPerWord)) & 1UL) != 0;
-}
-
-size_t count_cpus(const std::vector<unsigned long>& words) {
-  size_t n = 0;
-  for (unsigned long w : words) n += static_cast<size_t>(__builtin_popcountl(w));
-  return n;
 }
 
 }  // namespace
@@ -69,8 +50,8 @@ std::vector<pid_t> find_threads(const std::string& prefix) {
 
 ThreadPlacement::ThreadPlacement(const std::vector<pid_t>& tids) : owner_pid_(getpid()) {
   for (pid_t tid : tids) {
-    std::vector<unsigned long> allowed = affinity_of(tid);
-    if (count_cpus(allowed) > 1) threads_.push_back({tid, std::move(allowed)});
+    std::vector<unsigned long> allowed = affinity_mask(tid);
+    if (mask_cpus(allowed) > 1) threads_.push_back({tid, std::move(allowed)});
   }
 }
 
@@ -94,7 +75,8 @@ void ThreadPlacement::apply(int cpu) {
   for (auto it = threads_.begin(); it != threads_.end();) {
     mask = it->allowed;
     auto ucpu = static_cast<size_t>(cpu);
-    if (cpu >= 0 && has_cpu(mask, ucpu) && count_cpus(mask) > 1) {
+    // (Every thread kept has more than one CPU: taking one out leaves it some.)
+    if (cpu >= 0 && has_cpu(mask, ucpu)) {
       mask[ucpu / kBitsPerWord] &= ~(1UL << (ucpu % kBitsPerWord));
     }
     size_t bytes = mask.size() * sizeof(unsigned long);
