@@ -82,7 +82,6 @@ from typing import Any
 from serve_lib import (  # e2e/, beside this file
     ARENA_LINE,
     IMAGE_KINDS,
-    LABEL,
     MISMATCH_LINE,
     SAMPLE,
     CheckFailed,
@@ -98,6 +97,7 @@ from serve_lib import (  # e2e/, beside this file
     plan_requests,
     prepare,
     print_checks,
+    series,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -433,12 +433,12 @@ def run_config(args: argparse.Namespace, config: str, flag: str, plan: list[Imag
 EVICTION_CACHE_GB = 0.05
 EVICTION_CACHED = 4
 EVICTION_IMAGES = 8
-FRONTEND_IN_USE = 'vllm:shm_arena_slots_in_use{arena="frontend"}'
 
 
 def frontend_in_use(m: dict[str, float]) -> int:
     """From one ``/metrics`` read: the frontend arena's allocations in use (-1: no report)."""
-    return int(m.get(FRONTEND_IN_USE, -1))
+    found = series(m, "vllm:shm_arena_slots_in_use", arena="frontend")
+    return int(sum(v for _, v in found)) if found else -1
 
 
 def frontend_filled(m: dict[str, float]) -> int:
@@ -475,13 +475,12 @@ def ack_balance(m: dict[str, float]) -> list[list[int]]:
     sent]``: the stubs it acked (``vllm:shm_arena_acked_total``, exported by that rank's own
     process) plus those it owes now, against what it was sent: the API server's stubs for
     rank 0 (the engine core), the engine core's forwards for each worker rank."""
-    ranks = set()
-    for key in m:
-        name, _, labels = key.partition("{")
-        if name in ("vllm:shm_arena_acked_total", "vllm:shm_arena_owed"):
-            have = {x.group("k"): x.group("v") for x in LABEL.finditer(labels)}
-            if have.get("arena") == "frontend" and "rank" in have:
-                ranks.add(int(have["rank"]))
+    ranks = {
+        int(labels["rank"])
+        for name in ("vllm:shm_arena_acked_total", "vllm:shm_arena_owed")
+        for labels, _ in series(m, name, arena="frontend")
+        if "rank" in labels
+    }
     out = []
     for r in sorted(ranks):
         acked = metric(m, "vllm:shm_arena_acked_total", arena="frontend", rank=str(r))
@@ -528,8 +527,7 @@ def serve_and_record(srv: Server, rec: dict[str, Any], body) -> dict[str, Any]:
 
 def vllm_gauge(base: str, name: str) -> float:
     """The sum of ``name``'s samples (every label set) in vLLM's ``/metrics``."""
-    samples = read_metrics(base, prefix=name)
-    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+    return metric(read_metrics(base, prefix=name), name)
 
 
 def wait_for(what: str, cond, timeout: float) -> float:
@@ -1056,7 +1054,7 @@ def checks_for(rec: dict[str, Any], min_bytes: int) -> list[tuple[str, bool, str
         )
         # Both arenas' series (the workers read both); None when no worker reported.
         mm_name = "vllm:shm_arena_checksum_mismatches_total"
-        mm = metric(m, mm_name) if any(k.startswith(mm_name) for k in m) else None
+        mm = metric(m, mm_name) if series(m, mm_name) else None
         out.append(
             (
                 "0 checksum mismatches (metric exported by the workers, no log line)",

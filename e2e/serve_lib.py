@@ -207,19 +207,24 @@ SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?P<labels>\{[^}]*\})?\
 LABEL = re.compile(r'(?P<k>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<v>[^"]*)"')
 
 
-def metric(samples: dict[str, float], name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples (``name{labels}`` -> value, as read from ``/metrics``)
-    whose labels include every ``labels`` item, e.g. ``metric(m, "vllm:shm_arena_hits_total",
-    arena="queue")``."""
-    total = 0.0
+def series(samples: dict[str, float], name: str, **labels: str) -> list[tuple[dict, float]]:
+    """``name``'s samples (``name{labels}`` -> value, as read from ``/metrics``) whose labels
+    include every ``labels`` item, as ``(their labels, value)``."""
+    out = []
     for key, v in samples.items():
         base, _, rest = key.partition("{")
         if base != name:
             continue
         have = {m.group("k"): m.group("v") for m in LABEL.finditer(rest)}
         if all(have.get(k) == want for k, want in labels.items()):
-            total += v
-    return total
+            out.append((have, v))
+    return out
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of ``series(samples, name, **labels)``, e.g. ``metric(m,
+    "vllm:shm_arena_hits_total", arena="queue")``."""
+    return sum(v for _, v in series(samples, name, **labels))
 
 
 def model_args(shutdown_timeout: int) -> list[str]:
