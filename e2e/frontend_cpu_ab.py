@@ -47,6 +47,7 @@ from serve_lib import (  # noqa: E402
     plan_requests,
     post_json,
     prepare,
+    read_probe,
 )
 
 
@@ -113,20 +114,6 @@ def _counts(base: str) -> dict[str, float]:
     return {k: metric(m, name, arena=arena) for k, (name, arena) in keys.items()}
 
 
-def _probe(probe_dir: str) -> dict[int, dict]:
-    """The serve probe's records (e2e/serve_probe), pid -> record."""
-    out = {}
-    for name in os.listdir(probe_dir):
-        if name.endswith(".json"):
-            try:
-                with open(os.path.join(probe_dir, name)) as f:
-                    rec = json.load(f)
-            except (OSError, ValueError):
-                continue  # being replaced; the next read has it
-            out[rec["pid"]] = rec
-    return out
-
-
 def _probe_sum(recs: dict[int, dict], pids, key: str) -> int:
     return sum(recs[p]["counts"].get(key, 0) for p in pids if p in recs)
 
@@ -182,7 +169,7 @@ CONFIGS = [
 def _wait_probe(probe_dir: str) -> dict[int, dict]:
     """The probe's records, read after more than two of its writes (every 0.25 s)."""
     time.sleep(0.6)
-    return _probe(probe_dir)
+    return read_probe(probe_dir)
 
 
 def run_round(args, config, seed0: int, rnd: int) -> dict:

@@ -37,9 +37,9 @@ venv and the tiny model exist. For each configuration (``--enable-shm-tensor-are
 * too big for the cache (a fourth server, run with the eviction one, ``--mm-processor-cache-gb
   0.01`` and ``VLLM_SHM_ARENA_MIN_MB=8``: a 12 MiB frontend arena, one large image more than
   vLLM's cache holds): a new image's request aborted while it waits is copied once, forwarded
-  to no worker, and its slot is free again once it left (the seconds until the first report
-  that shows it); the same image again is one more copy and one forward, and nothing holds its
-  slot or owes an ack once it finished;
+  to no worker, and its slot is free within 1 s of the client's close (the serve probe's
+  watch, ``seconds_until_freed``); the same image again is one more copy and one forward, and
+  nothing holds its slot or owes an ack once it finished;
 * preemption (two more servers, flag on and off, ``--num-gpu-blocks-override 40``: a KV cache
   that holds two large images' prompts but not their decodes; ``--no-preemption`` skips them):
   the second of two image requests is preempted and recomputed on both; identical token ids;
@@ -97,6 +97,7 @@ from serve_lib import (  # e2e/, beside this file
     plan_requests,
     prepare,
     print_checks,
+    read_probe,
     series,
 )
 
@@ -181,6 +182,8 @@ class Server(ProcessGroup):
         # tmpfs for the shm directory (the arena's region must be memory), private to this run.
         self.shm_dir = tempfile.mkdtemp(prefix=f"vsa-serve-{config}-", dir=args.shm_parent)
         self.prom_dir = tempfile.mkdtemp(prefix=f"vsa-serve-prom-{config}-")
+        #: Where the serve probe (e2e/serve_probe) writes, once ``probe()`` turned it on.
+        self.probe_dir: str | None = None
         self.log_path = log_path
         env = dict(os.environ)
         env.update(
@@ -286,10 +289,16 @@ class Server(ProcessGroup):
         self.stop = out
         return out
 
+    def probe(self) -> None:
+        """Turns the serve probe on in every process of this server (before ``start``)."""
+        self.probe_dir = tempfile.mkdtemp(prefix=f"vsa-serve-probe-{self.config}-")
+        self.env["VSA_SERVE_PROBE_DIR"] = self.probe_dir
+
     def cleanup_dirs(self) -> None:
         """Removes the private directories (after their contents were checked)."""
-        shutil.rmtree(self.prom_dir, ignore_errors=True)
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        for d in (self.prom_dir, self.shm_dir, self.probe_dir):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,10 +473,16 @@ def frontend_owed(m: dict[str, float]) -> tuple[int, int]:
 #: carries it.
 TOO_BIG_CACHE_GB = 0.01
 TOO_BIG_MIN_MB = "8"
+#: The too-big item's slot is free this soon after its client went away (seconds).
+TOO_BIG_FREED_S = 1.0
 
 #: The abort run's long text request: tokens it generates (it keeps the only sequence slot,
-#: ``--max-num-seqs 1``, while the image request waits behind it).
-ABORT_LONG_TOKENS = 3000
+#: ``--max-num-seqs 1``, while the image request waits behind it). The harness stops it once it
+#: measured, so it may be long: the servers with an abort run allow ``ABORT_MODEL_LEN`` tokens
+#: (the tiny model's positions), ~40 s of decoding here, however slowly the image request
+#: reaches the queue beside it.
+ABORT_LONG_TOKENS = 8000
+ABORT_MODEL_LEN = "8192"
 
 
 def ack_balance(m: dict[str, float]) -> list[list[int]]:
@@ -530,49 +545,63 @@ def vllm_gauge(base: str, name: str) -> float:
     return metric(read_metrics(base, prefix=name), name)
 
 
-def wait_for(what: str, cond, timeout: float) -> float:
-    """Polls ``cond()`` every 20 ms; the seconds it took, or CheckFailed after ``timeout``."""
+#: How often a wait on the serve probe reads its files (it writes them every 0.25 s).
+PROBE_POLL_S = 0.1
+
+
+def wait_for(what: str, cond, timeout: float, every: float = 0.02) -> float:
+    """Polls ``cond()`` every ``every`` seconds; the seconds it took, or CheckFailed after
+    ``timeout``."""
     t0 = time.monotonic()
     while not cond():
         if time.monotonic() - t0 > timeout:
             raise CheckFailed(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.02)
+        time.sleep(every)
     return time.monotonic() - t0
 
 
-def seconds_until_freed(srv: Server, args: argparse.Namespace, before: dict, t0: float) -> float:
-    """Seconds from ``t0`` (the abort) to the first ``/metrics`` read showing the aborted
-    item's stub sent (``stubs`` one more than in ``before``) and the frontend slots in use back
-    to ``before``'s: that report came after the send, and the slot was free when it was made.
-    The API server reports from its encoder at most once a second, so a one-token text
-    request goes every 0.25 s (in threads: they wait behind the long request) to make it
-    report; the figure includes that interval."""
-    stubs0 = frontend_stubs(before)
-    in_use0 = frontend_in_use(before)
-    pings: list[threading.Thread] = []
-    seen = {"ping": 0.0, "read": 0.0}
+def probe_watch(probe_dir: str, what: str) -> list[tuple[float, Any]]:
+    """The serve probe's samples of ``what`` (``in_use`` from the API server, ``acked`` and
+    ``requests`` from the engine core; e2e/serve_probe): ``(time.monotonic(), value)`` at each
+    change, in time order."""
+    events = [e for rec in read_probe(probe_dir).values() for e in rec.get("watch", [])]
+    return sorted(((t, v) for t, w, v in events if w == what), key=lambda e: e[0])
 
-    def freed() -> bool:
-        now = time.monotonic()
-        if now - seen["ping"] >= 0.25:
-            seen["ping"] = now
-            p = threading.Thread(
-                target=chat_stream,
-                args=(srv.base, [{"type": "text", "text": "ping"}], 0, 1, args.request_timeout),
-                daemon=True,
-            )
-            p.start()
-            pings.append(p)
-        seen["read"] = time.monotonic()
-        m = read_metrics(srv.base)
-        return frontend_stubs(m) == stubs0 + 1 and frontend_in_use(m) == in_use0
 
-    try:
-        wait_for("the aborted item's slot to be free", freed, 30)
-        return seen["read"] - t0
-    finally:
-        for p in pings:
-            p.join(args.request_timeout)
+def waiting_since(probe_dir: str, t0: float, want) -> bool:
+    """Whether the engine core's scheduler had, at some sample after ``t0``, a waiting count
+    ``want(n)`` accepts (the serve probe's ``requests`` watch: ``[running, waiting]``)."""
+    return any(t >= t0 and want(v[1]) for t, v in probe_watch(probe_dir, "requests"))
+
+
+def seconds_until_freed(probe_dir: str, t_post: float, t_close: float) -> dict[str, float]:
+    """When the aborted item's slot came free, from the serve probe's watch of the frontend
+    arena (every 5 ms, each process's own clock readings: CLOCK_MONOTONIC is one clock on a
+    machine): ``freed_s``, seconds from the client's close (``t_close``) until the API
+    server's writer held again as many allocations as before the request was posted
+    (``t_post``), after holding one more; ``acked_s``, until the engine core acked the stub
+    (its last view died). Waits up to 30 s for both."""
+    found: dict[str, float] = {}
+
+    def done() -> bool:
+        in_use = probe_watch(probe_dir, "in_use")
+        acked = probe_watch(probe_dir, "acked")
+        before = [v for t, v in in_use if t < t_post]
+        acks = [v for t, v in acked if t < t_close]
+        if not before or not acks:
+            return False
+        rose = next((t for t, v in in_use if t >= t_post and v > before[-1]), None)
+        freed = next(
+            (t for t, v in in_use if rose is not None and t > rose and v <= before[-1]), None
+        )
+        ack = next((t for t, v in acked if t >= t_close and v > acks[-1]), None)
+        if freed is None or ack is None:
+            return False
+        found.update(freed_s=freed - t_close, acked_s=ack - t_close, filled_s=rose - t_post)
+        return True
+
+    wait_for("the aborted item's slot to be free (the serve probe)", done, 30, PROBE_POLL_S)
+    return found
 
 
 def abort_while_waiting(
@@ -583,40 +612,57 @@ def abort_while_waiting(
     frontend arena did with its item, from ``/metrics`` settled before and after; with
     ``too_big`` (an item vLLM's cache cannot hold), also how soon its slot was free."""
     before = settle_metrics(srv, args)
+    # Made first: beside the running request this process gets little CPU (one PNG took 38 s
+    # there, and the request it was for missed the window).
+    body = json.dumps(chat_body(image_content(prepare(r, args)), args.seed, 4))
     long_req: dict[str, Any] = {}
     # Its first token, not vLLM's running gauge: the gauge keeps the last step's count after
     # the settle pings, so it can say "running" before this request even arrived.
     generating = threading.Event()
+    stop = threading.Event()
 
     def long_text() -> None:
         try:
-            chat_stream(
+            res = chat_stream(
                 srv.base,
                 [{"type": "text", "text": "Count."}],
                 args.seed,
                 ABORT_LONG_TOKENS,
                 args.request_timeout,
                 first_token=generating,
+                stop=stop,
             )
+            long_req["stopped"] = res["stopped"]
         except Exception as e:  # noqa: BLE001  (recorded, checked below)
             long_req["error"] = f"{type(e).__name__}: {e}"
 
     t = threading.Thread(target=long_text, daemon=True)
     t.start()
-    waiting = "vllm:num_requests_waiting"
-    wait_for("the long text request to run", generating.is_set, 60)
-    body = chat_body(image_content(prepare(r, args)), args.seed, 4)
-    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
-    conn.request(
-        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
-    )
-    queued_s = wait_for("the image request to wait", lambda: vllm_gauge(srv.base, waiting), 60)
-    conn.close()  # the client goes away: vLLM aborts the request
-    t_close = time.monotonic()
-    gone_s = wait_for("the request to leave", lambda: not vllm_gauge(srv.base, waiting), 30)
-    long_running = t.is_alive()
-    freed_s = seconds_until_freed(srv, args, before, t_close) if too_big else None
-    t.join(args.request_timeout)
+    probe = srv.probe_dir
+    try:
+        wait_for("the long text request to run", generating.is_set, 60)
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
+        t_post = time.monotonic()
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        queued_s = wait_for(
+            "the image request to wait",
+            lambda: waiting_since(probe, t_post, lambda n: n >= 1),
+            90,
+            PROBE_POLL_S,
+        )
+        conn.close()  # the client goes away: vLLM aborts the request
+        t_close = time.monotonic()
+        gone_s = wait_for(
+            "the request to leave",
+            lambda: waiting_since(probe, t_close, lambda n: n == 0),
+            30,
+            PROBE_POLL_S,
+        )
+        long_running = t.is_alive()
+        freed = seconds_until_freed(probe, t_post, t_close) if too_big else {}
+    finally:
+        stop.set()  # the long request's client goes too (vLLM aborts it)
+        t.join(args.request_timeout)
     after = settle_metrics(srv, args)
     d = frontend_deltas(before, after)
     return {
@@ -624,11 +670,14 @@ def abort_while_waiting(
         "left_waiting_queue_s": gone_s,
         "long_request_still_running": long_running,
         "long_request_error": long_req.get("error"),
+        "long_request_stopped": long_req.get("stopped"),
         "filled": d["filled"],
         "forwarded": d["forwarded"],
         "in_use_before": frontend_in_use(before),
         "in_use_after": d["in_use"],
-        "freed_s": freed_s,
+        "freed_s": freed.get("freed_s"),
+        "acked_s": freed.get("acked_s"),
+        "filled_s": freed.get("filled_s"),
     }
 
 
@@ -640,7 +689,9 @@ def run_too_big(args: argparse.Namespace, seed_base: int) -> dict[str, Any]:
     log_path = os.path.join(args.log_dir, "serve_too_big.log")
     srv = Server(args, "too-big", "--enable-shm-tensor-arena", log_path)
     srv.cmd += ["--mm-processor-cache-gb", str(TOO_BIG_CACHE_GB), "--max-num-seqs", "1"]
+    srv.cmd += ["--max-model-len", ABORT_MODEL_LEN]
     srv.env["VLLM_SHM_ARENA_MIN_MB"] = TOO_BIG_MIN_MB
+    srv.probe()  # when the request waited and left, its slot came free (abort_while_waiting)
     r = ImageRequest("too-big", 0, IMAGE_KINDS["large"], seed_base + 700, False)
     rec: dict[str, Any] = {"config": "too-big", "errors": []}
     print(f"serve-test [too-big]: starting vllm serve (cache {TOO_BIG_CACHE_GB} GB)")
@@ -683,12 +734,13 @@ def too_big_checks(rec: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
             (
                 "too-big",
                 "abort while waiting, an item larger than vLLM's cache: copied once into the "
-                "frontend arena, forwarded to no worker, its slot free again once the request "
-                "left (nothing else holds it; the time includes the API server's 1 s report "
-                "interval)",
+                "frontend arena, forwarded to no worker, its slot free within "
+                f"{TOO_BIG_FREED_S:g} s of the client's close (the serve probe's watch; nothing "
+                "else holds it) and still free at the next report",
                 aborted_unforwarded(ab)
                 and ab["in_use_after"] == ab["in_use_before"]
-                and ab["freed_s"] is not None,
+                and ab["freed_s"] is not None
+                and 0 <= ab["freed_s"] <= TOO_BIG_FREED_S,
                 json.dumps(ab),
             )
         )
@@ -722,6 +774,8 @@ def run_eviction(args: argparse.Namespace, seed_base: int) -> dict[str, Any]:
     # One sequence at a time (the last --max-num-seqs given wins): the abort run's image
     # request waits behind its long text request.
     srv.cmd += ["--mm-processor-cache-gb", str(EVICTION_CACHE_GB), "--max-num-seqs", "1"]
+    srv.cmd += ["--max-model-len", ABORT_MODEL_LEN]
+    srv.probe()  # when the aborted request waited and left (abort_while_waiting)
     side = IMAGE_KINDS["large"]
     plan = [
         ImageRequest("evict", i, side, seed_base + 500 + i, False) for i in range(EVICTION_IMAGES)

@@ -142,17 +142,24 @@ def chat_stream(
     timeout: float,
     n: int = 1,
     first_token=None,
+    stop=None,
 ) -> dict:
     """Streams one chat completion; returns TTFT, end-to-end time, token ids and text (with
     ``n`` > 1 choices, each choice's in turn: chunks of different choices interleave).
-    ``first_token``: an event set when the first token arrives (the request is running)."""
+    ``first_token``: an event set when the first token arrives (the request is running).
+    ``stop``: an event; once it is set the client stops reading and goes away (vLLM aborts the
+    request), and ``stopped`` in the result is True."""
     body = chat_body(content, seed, max_tokens, n)
     t0 = time.monotonic()
     ttft = None
     per_choice: dict[int, tuple[list[int], list[float], list[str]]] = {}
     deadline = t0 + timeout
+    stopped = False
     with post_json(f"{base}/v1/chat/completions", body, timeout) as resp:
         for raw in resp:
+            if stop is not None and stop.is_set():
+                stopped = True
+                break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"chat completion took over {timeout:.0f} s")
             line = raw.decode().strip()
@@ -187,6 +194,7 @@ def chat_stream(
         "token_ids": token_ids,
         "logprobs": logprobs,
         "text": "".join(text),
+        "stopped": stopped,
     }
 
 
@@ -225,6 +233,20 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
     """The sum of ``series(samples, name, **labels)``, e.g. ``metric(m,
     "vllm:shm_arena_hits_total", arena="queue")``."""
     return sum(v for _, v in series(samples, name, **labels))
+
+
+def read_probe(probe_dir: str) -> dict[int, dict]:
+    """The serve probe's records (e2e/serve_probe, one file per process), pid -> record."""
+    out = {}
+    for name in os.listdir(probe_dir):
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(probe_dir, name)) as f:
+                    rec = json.load(f)
+            except (OSError, ValueError):
+                continue  # being replaced; the next read has it
+            out[rec["pid"]] = rec
+    return out
 
 
 def model_args(shutdown_timeout: int) -> list[str]:

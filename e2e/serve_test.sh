@@ -17,7 +17,7 @@
 #        benchmarks/results/serve_multinode/serve_multinode.{md,json}. About 7 minutes here.
 #
 # frontend-ab: (`make serve-frontend-ab`) e2e/frontend_cpu_ab.py: per new image, where its bytes
-#        are copied (the serve probe, e2e/serve_probe, installed here), the engine core's and
+#        are copied (the serve probe, e2e/serve_probe, installed by setup), the engine core's and
 #        the API server's CPU, the broadcast enqueue's time and the engine core's memory
 #        growth, for the frontend arena, the plugin without it, stock vLLM with its LRU and
 #        with its shm cache, interleaved round by round; writes
@@ -72,6 +72,9 @@ setup() {
     touch vllm_shm_arena/_C*.so
   fi
   "$PY" e2e/venv_fixups.py --check
+  # The test-only probe plugin (inert unless VSA_SERVE_PROBE_DIR is set: the too-big run and
+  # frontend-ab turn it on). Reinstalled each time: a few seconds.
+  "$PY" -m pip install -q --no-deps --no-build-isolation e2e/serve_probe
 }
 
 model() {
@@ -100,8 +103,6 @@ case "$stage" in
   multinode) setup && multinode "$@" ;;
   frontend-ab)
     setup && model || exit 1
-    # The test-only probe plugin (inert unless VSA_SERVE_PROBE_DIR is set).
-    "$PY" -m pip install -q --no-deps --no-build-isolation e2e/serve_probe || exit 1
     exec "$PY" e2e/frontend_cpu_ab.py --model "$MODEL_DIR" "$@"
     ;;
   *)

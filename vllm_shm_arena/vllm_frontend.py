@@ -29,6 +29,12 @@ of the engine core's holds to the workers as a forward stub (one counted forward
 resolves it in the frontend arena, which it attaches as rank 1 + its index), so the engine
 core copies nothing (mq/writer.py).
 
+``vllm.v1.engine.core.EngineCore.preprocess_add_request`` is wrapped to let go of the decoded
+request's multimodal items once vLLM's ``Request`` holds them: vLLM's input thread keeps the
+last ``EngineCoreRequest`` it decoded in a local variable until the next one arrives, so an
+aborted or finished request's items (frontend slots) would otherwise stay held for as long as
+no new request came.
+
 Any failure leaves vLLM's own path: no arena (one warning), no stub while the engine core is
 not attached, no forward while a worker is not, a declined tensor sent as vLLM sends it.
 """
@@ -358,6 +364,23 @@ def _attach_before_executor(init):
     return __init__
 
 
+def _drop_decoded_items(preprocess):
+    """``EngineCore.preprocess_add_request`` that, once the ``Request`` is made, clears the
+    decoded ``EngineCoreRequest``'s ``mm_features`` (the ``Request`` holds the same list;
+    vLLM itself reassigns that attribute in this method): the caller, vLLM's input thread,
+    keeps its last decoded request until the next one, and with it every view of that
+    request's items in the frontend arena."""
+
+    def preprocess_add_request(self, request):
+        out = preprocess(self, request)
+        request.mm_features = None
+        return out
+
+    preprocess_add_request._vsa_frontend = True
+    preprocess_add_request.__wrapped__ = preprocess
+    return preprocess_add_request
+
+
 def _inside(code) -> bool:
     """Whether a frame of this thread's stack runs ``code``."""
     f = sys._getframe(1)
@@ -389,6 +412,7 @@ FRONTEND_INTERFACE: dict[str, tuple[str, ...]] = {
         "executor_fail_callback=None",
         "include_finished_set=False",
     ),
+    "EngineCore.preprocess_add_request": ("self", "request"),
 }
 
 
@@ -429,6 +453,7 @@ def install() -> None:
             "SyncMPClient._send_input": core_client.SyncMPClient._send_input,
             "AsyncMPClient._send_input": core_client.AsyncMPClient._send_input,
             "EngineCore.__init__": engine_core.EngineCore.__init__,
+            "EngineCore.preprocess_add_request": engine_core.EngineCore.preprocess_add_request,
         }
     )
     if changes:
@@ -457,6 +482,9 @@ def install() -> None:
         client._send_input = _unsend_on_failure(client._send_input)
     init = engine_core.EngineCore.__init__
     engine_core.EngineCore.__init__ = _attach_before_executor(init)
+    engine_core.EngineCore.preprocess_add_request = _drop_decoded_items(
+        engine_core.EngineCore.preprocess_add_request
+    )
     if _inside(init.__code__):
         # Loaded by EngineCore.__init__ itself (its load_general_plugins, in a spawned engine
         # core): that call is past the wrapper, and its executor comes next.

@@ -1,5 +1,6 @@
-"""A test-only vLLM general plugin for ``make serve-frontend-ab`` (e2e/frontend_cpu_ab.py):
-in every process of a ``vllm serve`` it wraps the calls that move a multimodal item's bytes
+"""A test-only vLLM general plugin for ``make serve-frontend-ab`` (e2e/frontend_cpu_ab.py) and
+``make serve-test``'s too-big run (e2e/run_serve_test.py, ``seconds_until_freed``): in every
+process of a ``vllm serve`` it wraps the calls that move a multimodal item's bytes
 and writes what it counted to ``$VSA_SERVE_PROBE_DIR/<pid>.json`` four times a second.
 Inactive (it wraps nothing) unless that variable is set. Never part of the package.
 
@@ -30,6 +31,19 @@ What it counts, per process (``counts``; bytes of tensors or frames of at least 
 ``enqueue``: one ``[seconds, big_bytes]`` per call of either queue's ``enqueue`` (the engine
 core's broadcast of each step), so a harness compares the steps carrying an image with the
 others.
+
+``watch``: ``[time.monotonic(), what, value]`` each time a watched value changes, sampled
+every ``WATCH_EVERY_S`` by a thread (CLOCK_MONOTONIC is one
+clock for every process on the machine, so a harness compares these times with its own):
+* ``in_use`` (the API server): the allocations the frontend writer holds once every one that
+  could be recycled was (``reclaim``, what an allocation short of space does anyway, so the
+  figure is when the slot came free, not when the next metrics report noticed);
+* ``acked`` (the engine core): the stubs reader 0 acked (``stats()["acked"]``), each when the
+  last view of what it stood for died there;
+* ``requests`` (the engine core): ``[running, waiting]``, the scheduler's own counts
+  (``Scheduler.get_request_counts``). vLLM's ``num_requests_waiting`` gauge is no substitute:
+  it moves only when the engine core's stats reach the API server, and a harness polling it
+  beside a running request saw a waiting request late or never.
 """
 
 from __future__ import annotations
@@ -43,6 +57,9 @@ import time
 _BIG = 1 << 20
 _counts: dict[str, int] = {}
 _enqueue: list[list[float]] = []
+_watched: list[list] = []
+#: How often the frontend watcher samples (seconds).
+WATCH_EVERY_S = 0.005
 _lock = threading.Lock()
 
 
@@ -216,11 +233,69 @@ def _read_wait_cpu(orig):
     return wrapped
 
 
+def _watch(what: str, sample) -> None:
+    """Appends ``[time.monotonic(), what, value]`` to ``_watched`` whenever ``sample()``
+    changes (``None``: nothing to sample yet); stops when it raises (the arena closed)."""
+    last = None
+    while True:
+        try:
+            v = sample()
+        except Exception:
+            return
+        if v is not None and v != last:
+            last = v
+            with _lock:
+                if len(_watched) < 100000:
+                    _watched.append(
+                        [time.monotonic(), what, list(v) if isinstance(v, tuple) else v]
+                    )
+        time.sleep(WATCH_EVERY_S)
+
+
+def _start_watch(what: str, sample) -> None:
+    threading.Thread(
+        target=_watch, args=(what, sample), daemon=True, name="vsa-probe-watch"
+    ).start()
+
+
+def _frontend_in_use() -> int | None:
+    """The API server's frontend writer's allocations after a ``reclaim`` (None elsewhere, or
+    before the writer exists). Looked up each time: the plugin makes it when it likes."""
+    from vllm_shm_arena import vllm_frontend
+
+    writer = vllm_frontend._own_writer()
+    if writer is None:
+        return None
+    writer.arena.reclaim(check_liveness=False)
+    return int(writer.arena.stats(holdings=False)["in_use"])
+
+
+def _frontend_acked() -> int | None:
+    """The stubs the engine core's reader 0 acked (None elsewhere, or before it attached)."""
+    from vllm_shm_arena import vllm_frontend
+
+    provider = vllm_frontend._provider
+    return None if provider is None else int(provider.reader.stats()["acked"])
+
+
+def _watch_scheduler(orig):
+    def wrapped(self, *a, **kw):
+        orig(self, *a, **kw)
+        _start_watch("requests", self.get_request_counts)
+
+    return wrapped
+
+
 def _flush_forever(path: str) -> None:
     while True:
         time.sleep(0.25)
         with _lock:
-            rec = {"pid": os.getpid(), "counts": dict(_counts), "enqueue": list(_enqueue)}
+            rec = {
+                "pid": os.getpid(),
+                "counts": dict(_counts),
+                "enqueue": list(_enqueue),
+                "watch": list(_watched),
+            }
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(rec, f)
@@ -235,6 +310,7 @@ def register() -> None:
     from vllm.distributed.device_communicators import shm_broadcast, shm_object_storage
     from vllm.multimodal import inputs
     from vllm.v1 import serial_utils
+    from vllm.v1.core.sched import scheduler
     from vllm.v1.engine import core_client
 
     _wrap(core_client.AsyncMPClient, "_send_input_message", _send_input)
@@ -248,10 +324,13 @@ def register() -> None:
     _wrap(inputs.BaseMultiModalField, "reduce_data", _counting("reduce_copied_bytes", _reduce_copy))
     _wrap(shm_broadcast.MessageQueue, "enqueue", _enqueue_timed)
     _wrap(shm_broadcast.MessageQueue, "acquire_read", _read_wait_cpu)
+    _wrap(scheduler.Scheduler, "__init__", _watch_scheduler)
     try:
         from vllm_shm_arena.message_queue import MessageQueue as Ours
 
         _wrap(Ours, "enqueue", _enqueue_timed)
+        _start_watch("in_use", _frontend_in_use)
+        _start_watch("acked", _frontend_acked)
     except ImportError:
         pass
     path = os.path.join(out_dir, f"{os.getpid()}.json")

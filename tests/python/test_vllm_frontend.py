@@ -162,6 +162,92 @@ def test_through_vllms_rebound_encoder_and_decoder():
     assert p.exitcode == 0
 
 
+def _engine_core_keeps_its_last_request(raw_handle, conn):
+    """The "engine core": decodes an EngineCoreRequest and makes vLLM's Request of it as its
+    input thread does, keeping the decoded request (that thread's local) to the end."""
+    import os
+
+    os.environ["VLLM_SHM_ARENA_FRONTEND_HANDLE"] = raw_handle
+    import vllm.v1.engine.core as engine_core
+    from vllm.v1.engine import EngineCoreRequest
+
+    vllm_frontend.install()
+    dec = engine_core.MsgpackDecoder(EngineCoreRequest)
+    conn.send("attached")
+    req = dec.decode(conn.recv())
+    stand_in = SimpleNamespace(mm_receiver_cache=None, request_block_hasher=None)
+    request, _ = engine_core.EngineCore.preprocess_add_request(stand_in, req)
+    t = request.mm_features[0].data["pixel_values"].data
+    conn.send(float(t.sum()))
+    conn.recv()
+    del request, t  # the scheduler lets go of the request (finished or aborted)
+    gc.collect()
+    conn.send("released")
+    conn.recv()
+    conn.send(req.request_id)  # the decoded request lived until here
+
+
+@pytest.mark.vllm
+def test_the_engine_cores_last_decoded_request_holds_no_slot():
+    # vLLM's input thread keeps the EngineCoreRequest it decoded last until the next request
+    # arrives; once vLLM's Request is gone, the frontend slot must come back all the same
+    # (an aborted image nobody follows would otherwise hold its slot indefinitely).
+    core_client = pytest.importorskip("vllm.v1.engine.core_client")
+    from vllm.multimodal.inputs import (
+        MultiModalBatchedField,
+        MultiModalFeatureSpec,
+        MultiModalFieldElem,
+        MultiModalKwargsItem,
+        PlaceholderRange,
+    )
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+
+    vllm_frontend.install()
+    w = frontend.FrontendWriter(2, 32 * MiB)
+    saved = (vllm_frontend._writer, vllm_frontend._writer_pid)
+    vllm_frontend._writer, vllm_frontend._writer_pid = w, __import__("os").getpid()
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(
+        target=_engine_core_keeps_its_last_request, args=(frontend.handle_to_env(w.handle()), b)
+    )
+    p.start()
+    try:
+        assert a.recv() == "attached"
+        src = torch.randn(512, 1024)
+        elem = MultiModalFieldElem(data=src, field=MultiModalBatchedField())
+        item = vllm_frontend._fill_item(w, MultiModalKwargsItem({"pixel_values": elem}))
+        feature = MultiModalFeatureSpec(
+            data=item, modality="image", identifier="img", mm_position=PlaceholderRange(0, 4)
+        )
+        req = EngineCoreRequest(
+            "r1", [1, 2, 3, 4, 5], [feature], SamplingParams(max_tokens=1), None, 0.0, None,
+            None, None,
+        )  # fmt: skip
+        frames = core_client.MsgpackEncoder().encode(req)
+        assert len(frames) == 1  # a stub, no payload frame
+        a.send([bytes(f) for f in frames])
+        assert a.recv() == float(src.sum())
+        del req, feature, item, elem
+        gc.collect()
+        w.arena.reclaim(check_liveness=False)
+        assert w.arena.stats(holdings=False)["in_use"] == 1  # vLLM's Request holds it
+        a.send("let go")
+        assert a.recv() == "released"
+        w.arena.reclaim(check_liveness=False)
+        assert w.arena.stats(holdings=False)["in_use"] == 0
+        a.send("exit")
+        assert a.recv() == "r1"
+    finally:
+        if p.is_alive():
+            a.send("exit")  # a failed check: the child ends rather than wait
+        p.join(60)
+        vllm_frontend._writer, vllm_frontend._writer_pid = saved
+        w.arena.close()
+    assert p.exitcode == 0
+
+
 def test_a_changed_signature_is_named_and_refuses_the_rebinding():
     def cache_factory(vllm_config, extra):  # one parameter more than verified
         pass
