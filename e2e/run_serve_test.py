@@ -290,9 +290,11 @@ class Server(ProcessGroup):
         return out
 
     def probe(self) -> None:
-        """Turns the serve probe on in every process of this server (before ``start``)."""
+        """Turns the serve probe and its watch on in every process of this server (before
+        ``start``)."""
         self.probe_dir = tempfile.mkdtemp(prefix=f"vsa-serve-probe-{self.config}-")
         self.env["VSA_SERVE_PROBE_DIR"] = self.probe_dir
+        self.env["VSA_SERVE_PROBE_WATCH"] = "1"
 
     def cleanup_dirs(self) -> None:
         """Removes the private directories (after their contents were checked)."""

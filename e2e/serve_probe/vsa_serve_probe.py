@@ -32,8 +32,9 @@ What it counts, per process (``counts``; bytes of tensors or frames of at least 
 core's broadcast of each step), so a harness compares the steps carrying an image with the
 others.
 
-``watch``: ``[time.monotonic(), what, value]`` each time a watched value changes, sampled
-every ``WATCH_EVERY_S`` by a thread (CLOCK_MONOTONIC is one
+``watch`` (only with ``VSA_SERVE_PROBE_WATCH=1``: its threads wake every 5 ms, CPU that
+``make serve-frontend-ab`` would count): ``[time.monotonic(), what, value]`` each time a watched
+value changes, sampled every ``WATCH_EVERY_S`` by a thread (CLOCK_MONOTONIC is one
 clock for every process on the machine, so a harness compares these times with its own):
 * ``in_use`` (the API server): the allocations the frontend writer holds once every one that
   could be recycled was (``reclaim``, what an allocation short of space does anyway, so the
@@ -324,13 +325,16 @@ def register() -> None:
     _wrap(inputs.BaseMultiModalField, "reduce_data", _counting("reduce_copied_bytes", _reduce_copy))
     _wrap(shm_broadcast.MessageQueue, "enqueue", _enqueue_timed)
     _wrap(shm_broadcast.MessageQueue, "acquire_read", _read_wait_cpu)
-    _wrap(scheduler.Scheduler, "__init__", _watch_scheduler)
+    watch = os.environ.get("VSA_SERVE_PROBE_WATCH") == "1"
+    if watch:
+        _wrap(scheduler.Scheduler, "__init__", _watch_scheduler)
     try:
         from vllm_shm_arena.message_queue import MessageQueue as Ours
 
         _wrap(Ours, "enqueue", _enqueue_timed)
-        _start_watch("in_use", _frontend_in_use)
-        _start_watch("acked", _frontend_acked)
+        if watch:
+            _start_watch("in_use", _frontend_in_use)
+            _start_watch("acked", _frontend_acked)
     except ImportError:
         pass
     path = os.path.join(out_dir, f"{os.getpid()}.json")
