@@ -25,8 +25,10 @@ touching memory outside the arena.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -89,6 +91,14 @@ def _warn_once(seen: set, cause: str, msg: str, *args) -> None:
         logger.warning("vllm_shm_arena frontend: " + msg + " (warned once)", *args)
 
 
+#: A full frontend arena runs Python's cyclic garbage collector (at most this often, seconds)
+#: and tries once more before it declines a tensor: vLLM's API server keeps an aborted
+#: request's processed prompt, and with it the item's loans, in a reference cycle (the
+#: cancelled ``AsyncLLM.generate`` frame and its ``CancelledError`` traceback) that only that
+#: collector frees, seconds later on an idle server (docs/end_to_end_tests.md).
+COLLECT_EVERY_S = 1.0
+
+
 class FrontendWriter:
     """The API server's end: loans filled once, sent as stubs any number of times.
 
@@ -118,7 +128,9 @@ class FrontendWriter:
         self.min_bytes = int(min_bytes)
         self._warned: set[str] = set()
         # What fill did; the stubs sent are the arena's own count (stats()["sends"]).
-        self.counters = {"filled": 0, "filled_bytes": 0, "declined": 0}
+        # "collections": garbage collections a full arena ran before declining.
+        self.counters = {"filled": 0, "filled_bytes": 0, "declined": 0, "collections": 0}
+        self._collected_at = -float("inf")
 
     def handle(self) -> ArenaHandle:
         return self.arena.handle()
@@ -136,7 +148,8 @@ class FrontendWriter:
     def fill(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """A loan holding a copy of ``tensor`` (same dtype and shape), or ``None`` when it
         stays as it is: not a CPU tensor, not contiguous, smaller than ``min_bytes``, or the
-        arena cannot lend that much now (one warning per cause)."""
+        arena cannot lend that much now, even after a garbage collection (at most one per
+        ``COLLECT_EVERY_S``; one warning per cause)."""
         if not isinstance(tensor, torch.Tensor):
             return None
         if tensor.device.type != "cpu" or tensor.is_sparse or tensor.is_quantized:
@@ -151,6 +164,8 @@ class FrontendWriter:
             _warn_once(self._warned, "contiguous", "a non-contiguous tensor stays out")
             return None
         loan = self.arena.empty(list(tensor.shape), tensor.dtype)
+        if loan is None and self._collect_garbage():
+            loan = self.arena.empty(list(tensor.shape), tensor.dtype)
         if loan is None:
             self.counters["declined"] += 1
             _warn_once(
@@ -161,6 +176,17 @@ class FrontendWriter:
         self.counters["filled"] += 1
         self.counters["filled_bytes"] += nbytes
         return loan
+
+    def _collect_garbage(self) -> bool:
+        """Runs ``gc.collect()`` unless it ran less than ``COLLECT_EVERY_S`` ago; whether it
+        ran (loans that only garbage cycles held are then back, for the next allocation)."""
+        now = time.monotonic()
+        if now - self._collected_at < COLLECT_EVERY_S:
+            return False
+        self._collected_at = now
+        self.counters["collections"] += 1
+        gc.collect()
+        return True
 
     def consumer(self) -> LoanStubConsumer:
         """A new out-of-band tensor consumer over this arena (one per encoder)."""

@@ -96,6 +96,38 @@ def test_a_hit_sends_the_same_loan_again_and_both_are_owed(ends):
     assert _in_use(w) == 0
 
 
+def test_a_full_arena_collects_garbage_cycles_before_it_declines(ends, monkeypatch):
+    # vLLM's API server keeps an aborted request's item in a reference cycle (a cancelled
+    # coroutine's traceback) that only the cyclic collector frees: a loan sent to the engine
+    # core, acked, then held by such a cycle alone must not make the next image decline.
+    w, p = ends
+    big = torch.ones(24 * MiB, dtype=torch.uint8)
+    gc.disable()  # the cycle stays until someone collects
+    try:
+        loan = w.fill(big)
+        c = w.consumer()
+        c.new_message()
+        held = p("uint8", [24 * MiB], c(loan))
+        del held  # the engine core let go (acked)
+        cycle: list = [loan]
+        cycle.append(cycle)
+        del loan, cycle
+        assert _in_use(w) == 1  # only garbage holds it
+        again = w.fill(big)
+        assert again is not None and w.counters == {
+            "filled": 2,
+            "filled_bytes": 2 * big.nbytes,
+            "declined": 0,
+            "collections": 1,
+        }
+        # At most once per COLLECT_EVERY_S: a full arena right after declines at once.
+        monkeypatch.setattr(frontend, "COLLECT_EVERY_S", 3600.0)
+        assert w.fill(big) is None and w.counters["collections"] == 1
+        del again
+    finally:
+        gc.enable()
+
+
 def test_no_stub_while_the_engine_core_is_not_attached():
     w = FrontendWriter(1, 16 * MiB)
     loan = w.fill(torch.zeros(MiB, dtype=torch.uint8))
