@@ -10,6 +10,7 @@ comes back once the engine core lets go.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import multiprocessing as mp
@@ -111,30 +112,58 @@ def _engine_core(raw_handle, conn):
     conn.recv()
 
 
-@pytest.mark.vllm
-def test_through_vllms_rebound_encoder_and_decoder():
-    core_client = pytest.importorskip("vllm.v1.engine.core_client")
+@contextlib.contextmanager
+def _api_server_and_engine_core(engine_core_main):
+    """This process as the API server (a frontend writer for 2 workers, installed as
+    ``vllm_frontend``'s own) and ``engine_core_main(raw_handle, conn)`` spawned as the engine
+    core, attached; yields ``(writer, conn)``. On the way out the child is told to exit (if a
+    check failed first) and must exit 0."""
+    w = frontend.FrontendWriter(2, 32 * MiB)
+    saved = (vllm_frontend._writer, vllm_frontend._writer_pid)
+    vllm_frontend._writer, vllm_frontend._writer_pid = w, __import__("os").getpid()
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    p = ctx.Process(target=engine_core_main, args=(frontend.handle_to_env(w.handle()), b))
+    p.start()
+    try:
+        assert a.recv() == "attached"
+        yield w, a
+    finally:
+        if p.is_alive():
+            a.send("exit")  # a failed check: the child ends rather than wait
+        p.join(60)
+        vllm_frontend._writer, vllm_frontend._writer_pid = saved
+        w.arena.close()
+    assert p.exitcode == 0
+
+
+def _loaned_item(w):
+    """A MultiModalKwargsItem whose 512 x 1024 pixel_values ``w`` filled into a loan, and the
+    tensor it was filled from."""
     from vllm.multimodal.inputs import (
         MultiModalBatchedField,
         MultiModalFieldElem,
         MultiModalKwargsItem,
     )
 
+    src = torch.randn(512, 1024)
+    elem = MultiModalFieldElem(data=src, field=MultiModalBatchedField())
+    return vllm_frontend._fill_item(w, MultiModalKwargsItem({"pixel_values": elem})), src
+
+
+def _in_use(w) -> int:
+    w.arena.reclaim(check_liveness=False)
+    return w.arena.stats(holdings=False)["in_use"]
+
+
+@pytest.mark.vllm
+def test_through_vllms_rebound_encoder_and_decoder():
+    core_client = pytest.importorskip("vllm.v1.engine.core_client")
     vllm_frontend.install()
     vllm_frontend.install()  # idempotent
     assert core_client.MsgpackEncoder.__name__ == "FrontendMsgpackEncoder"
-    w = frontend.FrontendWriter(2, 32 * MiB)
-    saved = (vllm_frontend._writer, vllm_frontend._writer_pid)
-    vllm_frontend._writer, vllm_frontend._writer_pid = w, __import__("os").getpid()
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    p = ctx.Process(target=_engine_core, args=(frontend.handle_to_env(w.handle()), b))
-    p.start()
-    try:
-        assert a.recv() == "attached"
-        src = torch.randn(512, 1024)
-        elem = MultiModalFieldElem(data=src, field=MultiModalBatchedField())
-        item = vllm_frontend._fill_item(w, MultiModalKwargsItem({"pixel_values": elem}))
+    with _api_server_and_engine_core(_engine_core) as (w, a):
+        item, src = _loaned_item(w)
         enc = core_client.MsgpackEncoder()
         frames = enc.encode(item)
         assert len(frames) == 1  # a stub, no payload frame
@@ -146,20 +175,13 @@ def test_through_vllms_rebound_encoder_and_decoder():
         assert core_client.AsyncMPClient._send_input._vsa_frontend
         a.send([bytes(f) for f in frames])
         assert a.recv() == (float(src.sum()), (512, 1024), "torch.float32")
-        del item, elem
+        del item
         gc.collect()
-        w.arena.reclaim(check_liveness=False)
-        assert w.arena.stats(holdings=False)["in_use"] == 1  # the engine core holds it
+        assert _in_use(w) == 1  # the engine core holds it
         a.send("release")
         assert a.recv() == "released"
-        w.arena.reclaim(check_liveness=False)
-        assert w.arena.stats(holdings=False)["in_use"] == 0
+        assert _in_use(w) == 0
         a.send("exit")
-    finally:
-        p.join(60)
-        vllm_frontend._writer, vllm_frontend._writer_pid = saved
-        w.arena.close()
-    assert p.exitcode == 0
 
 
 def _engine_core_keeps_its_last_request(raw_handle, conn):
@@ -193,31 +215,13 @@ def test_the_engine_cores_last_decoded_request_holds_no_slot():
     # arrives; once vLLM's Request is gone, the frontend slot must come back all the same
     # (an aborted image nobody follows would otherwise hold its slot indefinitely).
     core_client = pytest.importorskip("vllm.v1.engine.core_client")
-    from vllm.multimodal.inputs import (
-        MultiModalBatchedField,
-        MultiModalFeatureSpec,
-        MultiModalFieldElem,
-        MultiModalKwargsItem,
-        PlaceholderRange,
-    )
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine import EngineCoreRequest
 
     vllm_frontend.install()
-    w = frontend.FrontendWriter(2, 32 * MiB)
-    saved = (vllm_frontend._writer, vllm_frontend._writer_pid)
-    vllm_frontend._writer, vllm_frontend._writer_pid = w, __import__("os").getpid()
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    p = ctx.Process(
-        target=_engine_core_keeps_its_last_request, args=(frontend.handle_to_env(w.handle()), b)
-    )
-    p.start()
-    try:
-        assert a.recv() == "attached"
-        src = torch.randn(512, 1024)
-        elem = MultiModalFieldElem(data=src, field=MultiModalBatchedField())
-        item = vllm_frontend._fill_item(w, MultiModalKwargsItem({"pixel_values": elem}))
+    with _api_server_and_engine_core(_engine_core_keeps_its_last_request) as (w, a):
+        item, src = _loaned_item(w)
         feature = MultiModalFeatureSpec(
             data=item, modality="image", identifier="img", mm_position=PlaceholderRange(0, 4)
         )
@@ -229,23 +233,14 @@ def test_the_engine_cores_last_decoded_request_holds_no_slot():
         assert len(frames) == 1  # a stub, no payload frame
         a.send([bytes(f) for f in frames])
         assert a.recv() == float(src.sum())
-        del req, feature, item, elem
+        del req, feature, item
         gc.collect()
-        w.arena.reclaim(check_liveness=False)
-        assert w.arena.stats(holdings=False)["in_use"] == 1  # vLLM's Request holds it
+        assert _in_use(w) == 1  # vLLM's Request holds it
         a.send("let go")
         assert a.recv() == "released"
-        w.arena.reclaim(check_liveness=False)
-        assert w.arena.stats(holdings=False)["in_use"] == 0
+        assert _in_use(w) == 0
         a.send("exit")
         assert a.recv() == "r1"
-    finally:
-        if p.is_alive():
-            a.send("exit")  # a failed check: the child ends rather than wait
-        p.join(60)
-        vllm_frontend._writer, vllm_frontend._writer_pid = saved
-        w.arena.close()
-    assert p.exitcode == 0
 
 
 def test_a_changed_signature_is_named_and_refuses_the_rebinding():
