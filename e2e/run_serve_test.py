@@ -570,10 +570,11 @@ def probe_watch(probe_dir: str, what: str) -> list[tuple[float, Any]]:
     return sorted(((t, v) for t, w, v in events if w == what), key=lambda e: e[0])
 
 
-def waiting_since(probe_dir: str, t0: float, want) -> bool:
-    """Whether the engine core's scheduler had, at some sample after ``t0``, a waiting count
-    ``want(n)`` accepts (the serve probe's ``requests`` watch: ``[running, waiting]``)."""
-    return any(t >= t0 and want(v[1]) for t, v in probe_watch(probe_dir, "requests"))
+def waiting_since(probe_dir: str, t0: float, want) -> list | None:
+    """The engine core scheduler's first sample after ``t0`` whose waiting count ``want(n)``
+    accepts (the serve probe's ``requests`` watch: ``[running, waiting, running ids]``), or
+    None."""
+    return next((v for t, v in probe_watch(probe_dir, "requests") if t >= t0 and want(v[1])), None)
 
 
 def seconds_until_freed(probe_dir: str, t_post: float, t_close: float) -> dict[str, float]:
@@ -648,19 +649,25 @@ def abort_while_waiting(
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
         queued_s = wait_for(
             "the image request to wait",
-            lambda: waiting_since(probe, t_post, lambda n: n >= 1),
+            lambda: waiting_since(probe, t_post, lambda n: n >= 1) is not None,
             90,
             PROBE_POLL_S,
         )
+        # The long request's id, running while the image waits.
+        running_then = waiting_since(probe, t_post, lambda n: n >= 1)[2]
         conn.close()  # the client goes away: vLLM aborts the request
         t_close = time.monotonic()
         gone_s = wait_for(
             "the request to leave",
-            lambda: waiting_since(probe, t_close, lambda n: n == 0),
-            30,
+            lambda: waiting_since(probe, t_close, lambda n: n == 0) is not None,
+            60,
             PROBE_POLL_S,
         )
-        long_running = t.is_alive()
+        # Aborted, not started: the long request still the one running when it left (with
+        # one sequence slot, an image that started would have taken the long one's place).
+        long_running = bool(running_then) and (
+            waiting_since(probe, t_close, lambda n: n == 0)[2] == running_then
+        )
         freed = seconds_until_freed(probe, t_post, t_close) if too_big else {}
     finally:
         stop.set()  # the long request's client goes too (vLLM aborts it)

@@ -41,8 +41,8 @@ clock for every process on the machine, so a harness compares these times with i
   figure is when the slot came free, not when the next metrics report noticed);
 * ``acked`` (the engine core): the stubs reader 0 acked (``stats()["acked"]``), each when the
   last view of what it stood for died there;
-* ``requests`` (the engine core): ``[running, waiting]``, the scheduler's own counts
-  (``Scheduler.get_request_counts``). vLLM's ``num_requests_waiting`` gauge is no substitute:
+* ``requests`` (the engine core): ``[running, waiting, ids of the running requests]``, the
+  scheduler's own counts (``Scheduler.get_request_counts``) and its running list. vLLM's ``num_requests_waiting`` gauge is no substitute:
   it moves only when the engine core's stats reach the API server, and a harness polling it
   beside a running request saw a waiting request late or never.
 """
@@ -282,7 +282,12 @@ def _frontend_acked() -> int | None:
 def _watch_scheduler(orig):
     def wrapped(self, *a, **kw):
         orig(self, *a, **kw)
-        _start_watch("requests", self.get_request_counts)
+
+        def requests() -> tuple:
+            running, waiting = self.get_request_counts()
+            return running, waiting, sorted(r.request_id for r in list(self.running))
+
+        _start_watch("requests", requests)
 
     return wrapped
 
