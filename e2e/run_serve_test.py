@@ -570,11 +570,15 @@ def probe_watch(probe_dir: str, what: str) -> list[tuple[float, Any]]:
     return sorted(((t, v) for t, w, v in events if w == what), key=lambda e: e[0])
 
 
-def waiting_since(probe_dir: str, t0: float, want) -> list | None:
+def waiting_since(probe_dir: str, t0: float, want) -> tuple[float, list] | None:
     """The engine core scheduler's first sample after ``t0`` whose waiting count ``want(n)``
-    accepts (the serve probe's ``requests`` watch: ``[running, waiting, running ids]``), or
-    None."""
-    return next((v for t, v in probe_watch(probe_dir, "requests") if t >= t0 and want(v[1])), None)
+    accepts (the serve probe's ``requests`` watch: ``[running, waiting, running ids]``), as
+    ``(its time, the sample)``, or None. The time is the probe's: the harness may read the
+    file much later (the engine core's busy loop can starve the probe's writer thread of the
+    GIL for as long as a request runs)."""
+    return next(
+        ((t, v) for t, v in probe_watch(probe_dir, "requests") if t >= t0 and want(v[1])), None
+    )
 
 
 def seconds_until_freed(probe_dir: str, t_post: float, t_close: float) -> dict[str, float]:
@@ -583,7 +587,7 @@ def seconds_until_freed(probe_dir: str, t_post: float, t_close: float) -> dict[s
     machine): ``freed_s``, seconds from the client's close (``t_close``) until the API
     server's writer held again as many allocations as before the request was posted
     (``t_post``), after holding one more; ``acked_s``, until the engine core acked the stub
-    (its last view died). Waits up to 30 s for both."""
+    (its last view died). Waits up to 60 s for both."""
     found: dict[str, float] = {}
 
     def done() -> bool:
@@ -603,7 +607,8 @@ def seconds_until_freed(probe_dir: str, t_post: float, t_close: float) -> dict[s
         found.update(freed_s=freed - t_close, acked_s=ack - t_close, filled_s=rose - t_post)
         return True
 
-    wait_for("the aborted item's slot to be free (the serve probe)", done, 30, PROBE_POLL_S)
+    # 60 s: the probe's file in the engine core can lag for as long as the long request runs.
+    wait_for("the aborted item's slot to be free (the serve probe)", done, 60, PROBE_POLL_S)
     return found
 
 
@@ -647,28 +652,35 @@ def abort_while_waiting(
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
         t_post = time.monotonic()
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-        queued_s = wait_for(
+        wait_for(
             "the image request to wait",
             lambda: waiting_since(probe, t_post, lambda n: n >= 1) is not None,
             90,
             PROBE_POLL_S,
         )
-        # The long request's id, running while the image waits.
-        running_then = waiting_since(probe, t_post, lambda n: n >= 1)[2]
+        t_queued, sample = waiting_since(probe, t_post, lambda n: n >= 1)
+        queued_s = t_queued - t_post
+        running_then = sample[2]  # the long request's id, running while the image waits
         conn.close()  # the client goes away: vLLM aborts the request
         t_close = time.monotonic()
-        gone_s = wait_for(
+        wait_for(
             "the request to leave",
             lambda: waiting_since(probe, t_close, lambda n: n == 0) is not None,
             60,
             PROBE_POLL_S,
         )
+        t_gone, sample = waiting_since(probe, t_close, lambda n: n == 0)
+        gone_s = t_gone - t_close
         # Aborted, not started: the long request still the one running when it left (with
         # one sequence slot, an image that started would have taken the long one's place).
-        long_running = bool(running_then) and (
-            waiting_since(probe, t_close, lambda n: n == 0)[2] == running_then
-        )
+        long_running = bool(running_then) and sample[2] == running_then
         freed = seconds_until_freed(probe, t_post, t_close) if too_big else {}
+        # What the engine core's scheduler did meanwhile, times from the close (the record).
+        watched = [
+            [round(t - t_close, 3), v]
+            for t, v in probe_watch(probe, "requests")
+            if t_post - 1 <= t <= t_close + gone_s + 1
+        ]
     finally:
         stop.set()  # the long request's client goes too (vLLM aborts it)
         t.join(args.request_timeout)
@@ -680,6 +692,7 @@ def abort_while_waiting(
         "long_request_still_running": long_running,
         "long_request_error": long_req.get("error"),
         "long_request_stopped": long_req.get("stopped"),
+        "scheduler": watched,
         "filled": d["filled"],
         "forwarded": d["forwarded"],
         "in_use_before": frontend_in_use(before),

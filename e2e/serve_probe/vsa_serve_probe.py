@@ -42,9 +42,10 @@ clock for every process on the machine, so a harness compares these times with i
 * ``acked`` (the engine core): the stubs reader 0 acked (``stats()["acked"]``), each when the
   last view of what it stood for died there;
 * ``requests`` (the engine core): ``[running, waiting, ids of the running requests]``, the
-  scheduler's own counts (``Scheduler.get_request_counts``) and its running list. vLLM's ``num_requests_waiting`` gauge is no substitute:
-  it moves only when the engine core's stats reach the API server, and a harness polling it
-  beside a running request saw a waiting request late or never.
+  scheduler's own counts (``Scheduler.get_request_counts``) and its running list. vLLM's
+  ``num_requests_waiting`` gauge is no substitute: it moves only when the engine core's stats
+  reach the API server, and a harness polling it beside a running request saw a waiting
+  request late or never.
 """
 
 from __future__ import annotations
