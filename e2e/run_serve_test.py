@@ -551,23 +551,28 @@ def vllm_gauge(base: str, name: str) -> float:
 PROBE_POLL_S = 0.1
 
 
-def wait_for(what: str, cond, timeout: float, every: float = 0.02) -> float:
-    """Polls ``cond()`` every ``every`` seconds; the seconds it took, or CheckFailed after
+def wait_for(what: str, cond, timeout: float, every: float = 0.02):
+    """Polls ``cond()`` every ``every`` seconds; its first true result, or CheckFailed after
     ``timeout``."""
     t0 = time.monotonic()
-    while not cond():
+    while not (got := cond()):
         if time.monotonic() - t0 > timeout:
             raise CheckFailed(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(every)
-    return time.monotonic() - t0
+    return got
 
 
-def probe_watch(probe_dir: str, what: str) -> list[tuple[float, Any]]:
-    """The serve probe's samples of ``what`` (``in_use`` from the API server, ``acked`` and
-    ``requests`` from the engine core; e2e/serve_probe): ``(time.monotonic(), value)`` at each
-    change, in time order."""
-    events = [e for rec in read_probe(probe_dir).values() for e in rec.get("watch", [])]
-    return sorted(((t, v) for t, w, v in events if w == what), key=lambda e: e[0])
+def probe_watch(probe_dir: str) -> dict[str, list[tuple[float, Any]]]:
+    """The serve probe's samples (e2e/serve_probe), one read of its files: per watched value
+    (``in_use`` from the API server, ``acked`` and ``requests`` from the engine core),
+    ``(time.monotonic(), value)`` at each change, in time order."""
+    out: dict[str, list[tuple[float, Any]]] = {}
+    for rec in read_probe(probe_dir).values():
+        for t, what, v in rec.get("watch", []):
+            out.setdefault(what, []).append((t, v))
+    for samples in out.values():
+        samples.sort(key=lambda e: e[0])
+    return out
 
 
 def waiting_since(probe_dir: str, t0: float, want) -> tuple[float, list] | None:
@@ -576,9 +581,8 @@ def waiting_since(probe_dir: str, t0: float, want) -> tuple[float, list] | None:
     ``(its time, the sample)``, or None. The time is the probe's: the harness may read the
     file much later (the engine core's busy loop can starve the probe's writer thread of the
     GIL for as long as a request runs)."""
-    return next(
-        ((t, v) for t, v in probe_watch(probe_dir, "requests") if t >= t0 and want(v[1])), None
-    )
+    samples = probe_watch(probe_dir).get("requests", [])
+    return next(((t, v) for t, v in samples if t >= t0 and want(v[1])), None)
 
 
 def seconds_until_freed(probe_dir: str, t_post: float, t_close: float) -> dict[str, float]:
@@ -588,28 +592,25 @@ def seconds_until_freed(probe_dir: str, t_post: float, t_close: float) -> dict[s
     server's writer held again as many allocations as before the request was posted
     (``t_post``), after holding one more; ``acked_s``, until the engine core acked the stub
     (its last view died). Waits up to 60 s for both."""
-    found: dict[str, float] = {}
 
-    def done() -> bool:
-        in_use = probe_watch(probe_dir, "in_use")
-        acked = probe_watch(probe_dir, "acked")
+    def found() -> dict[str, float] | None:
+        watch = probe_watch(probe_dir)
+        in_use, acked = watch.get("in_use", []), watch.get("acked", [])
         before = [v for t, v in in_use if t < t_post]
         acks = [v for t, v in acked if t < t_close]
         if not before or not acks:
-            return False
+            return None
         rose = next((t for t, v in in_use if t >= t_post and v > before[-1]), None)
         freed = next(
             (t for t, v in in_use if rose is not None and t > rose and v <= before[-1]), None
         )
         ack = next((t for t, v in acked if t >= t_close and v > acks[-1]), None)
         if freed is None or ack is None:
-            return False
-        found.update(freed_s=freed - t_close, acked_s=ack - t_close, filled_s=rose - t_post)
-        return True
+            return None
+        return {"freed_s": freed - t_close, "acked_s": ack - t_close, "filled_s": rose - t_post}
 
     # 60 s: the probe's file in the engine core can lag for as long as the long request runs.
-    wait_for("the aborted item's slot to be free (the serve probe)", done, 60, PROBE_POLL_S)
-    return found
+    return wait_for("the aborted item's slot to be free (the serve probe)", found, 60, PROBE_POLL_S)
 
 
 def abort_while_waiting(
@@ -652,24 +653,22 @@ def abort_while_waiting(
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
         t_post = time.monotonic()
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-        wait_for(
+        t_queued, sample = wait_for(
             "the image request to wait",
-            lambda: waiting_since(probe, t_post, lambda n: n >= 1) is not None,
+            lambda: waiting_since(probe, t_post, lambda n: n >= 1),
             90,
             PROBE_POLL_S,
         )
-        t_queued, sample = waiting_since(probe, t_post, lambda n: n >= 1)
         queued_s = t_queued - t_post
         running_then = sample[2]  # the long request's id, running while the image waits
         conn.close()  # the client goes away: vLLM aborts the request
         t_close = time.monotonic()
-        wait_for(
+        t_gone, sample = wait_for(
             "the request to leave",
-            lambda: waiting_since(probe, t_close, lambda n: n == 0) is not None,
+            lambda: waiting_since(probe, t_close, lambda n: n == 0),
             60,
             PROBE_POLL_S,
         )
-        t_gone, sample = waiting_since(probe, t_close, lambda n: n == 0)
         gone_s = t_gone - t_close
         # Aborted, not started: the long request still the one running when it left (with
         # one sequence slot, an image that started would have taken the long one's place).
@@ -678,7 +677,7 @@ def abort_while_waiting(
         # What the engine core's scheduler did meanwhile, times from the close (the record).
         watched = [
             [round(t - t_close, 3), v]
-            for t, v in probe_watch(probe, "requests")
+            for t, v in probe_watch(probe).get("requests", [])
             if t_post - 1 <= t <= t_close + gone_s + 1
         ]
     finally:

@@ -367,10 +367,9 @@ def _attach_before_executor(init):
 def _drop_decoded_items(preprocess):
     """``EngineCore.preprocess_add_request`` that, in an engine core with a frontend reader
     (``_provider``), once the ``Request`` is made, clears the decoded ``EngineCoreRequest``'s
-    ``mm_features`` (the ``Request`` holds the same list;
-    vLLM itself reassigns that attribute in this method): the caller, vLLM's input thread,
-    keeps its last decoded request until the next one, and with it every view of that
-    request's items in the frontend arena."""
+    ``mm_features`` (the ``Request`` holds the same list; vLLM itself reassigns that attribute
+    in this method): the caller, vLLM's input thread, keeps its last decoded request until the
+    next one, and with it every view of that request's items in the frontend arena."""
 
     def preprocess_add_request(self, request):
         out = preprocess(self, request)
