@@ -578,9 +578,8 @@ def probe_watch(probe_dir: str) -> dict[str, list[tuple[float, Any]]]:
 def waiting_since(probe_dir: str, t0: float, want) -> tuple[float, list] | None:
     """The engine core scheduler's first sample after ``t0`` whose waiting count ``want(n)``
     accepts (the serve probe's ``requests`` watch: ``[running, waiting, running ids]``), as
-    ``(its time, the sample)``, or None. The time is the probe's: the harness may read the
-    file much later (the engine core's busy loop can starve the probe's writer thread of the
-    GIL for as long as a request runs)."""
+    ``(its time, the sample)``, or None. The time is the probe's, not when the harness read
+    the file (it is written every 0.25 s, by a thread of a busy process)."""
     samples = probe_watch(probe_dir).get("requests", [])
     return next(((t, v) for t, v in samples if t >= t0 and want(v[1])), None)
 
@@ -609,7 +608,6 @@ def seconds_until_freed(probe_dir: str, t_post: float, t_close: float) -> dict[s
             return None
         return {"freed_s": freed - t_close, "acked_s": ack - t_close, "filled_s": rose - t_post}
 
-    # 60 s: the probe's file in the engine core can lag for as long as the long request runs.
     return wait_for("the aborted item's slot to be free (the serve probe)", found, 60, PROBE_POLL_S)
 
 
