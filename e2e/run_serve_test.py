@@ -575,13 +575,28 @@ def probe_watch(probe_dir: str) -> dict[str, list[tuple[float, Any]]]:
     return out
 
 
-def waiting_since(probe_dir: str, t0: float, want) -> tuple[float, list] | None:
-    """The engine core scheduler's first sample after ``t0`` whose waiting count ``want(n)``
-    accepts (the serve probe's ``requests`` watch: ``[running, waiting, running ids]``), as
-    ``(its time, the sample)``, or None. The time is the probe's, not when the harness read
-    the file (it is written every 0.25 s, by a thread of a busy process)."""
+def new_waiting_request(probe_dir: str, t_post: float) -> tuple[float, str, list] | None:
+    """The request the engine core's scheduler got after ``t_post``, once it waits: ``(the
+    sample's time, its id, the ids running then)``, or None. From the serve probe's
+    ``requests`` watch (``[running, waiting, running ids, every id the scheduler holds]``):
+    an id it did not hold before ``t_post``, held and not running. Times are the probe's, not
+    when the harness read the file (written every 0.25 s, by a thread of a busy process)."""
     samples = probe_watch(probe_dir).get("requests", [])
-    return next(((t, v) for t, v in samples if t >= t0 and want(v[1])), None)
+    known = [set(v[3]) for t, v in samples if t < t_post]
+    if not known:
+        return None
+    for t, v in samples:
+        new = [i for i in v[3] if i not in known[-1] and i not in v[2]]
+        if t >= t_post and new:
+            return t, new[0], v[2]
+    return None
+
+
+def request_left(probe_dir: str, t0: float, request_id: str) -> tuple[float, list] | None:
+    """The scheduler's first sample after ``t0`` that no longer holds ``request_id`` (the
+    serve probe's ``requests`` watch), as ``(its time, the sample)``, or None."""
+    samples = probe_watch(probe_dir).get("requests", [])
+    return next(((t, v) for t, v in samples if t >= t0 and request_id not in v[3]), None)
 
 
 def seconds_until_freed(probe_dir: str, t_post: float, t_close: float) -> dict[str, float]:
@@ -651,32 +666,32 @@ def abort_while_waiting(
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
         t_post = time.monotonic()
         conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
-        t_queued, sample = wait_for(
+        # Followed by its own id: the scheduler's waiting count misled (new_waiting_request).
+        t_queued, image_id, running_then = wait_for(
             "the image request to wait",
-            lambda: waiting_since(probe, t_post, lambda n: n >= 1),
+            lambda: new_waiting_request(probe, t_post),
             90,
             PROBE_POLL_S,
         )
         queued_s = t_queued - t_post
-        running_then = sample[2]  # the long request's id, running while the image waits
         conn.close()  # the client goes away: vLLM aborts the request
         t_close = time.monotonic()
         t_gone, sample = wait_for(
-            "the request to leave",
-            lambda: waiting_since(probe, t_close, lambda n: n == 0),
+            "the image request to leave the scheduler",
+            lambda: request_left(probe, t_close, image_id),
             60,
             PROBE_POLL_S,
         )
         gone_s = t_gone - t_close
-        # Aborted, not started: the long request still the one running when it left (with
-        # one sequence slot, an image that started would have taken the long one's place).
+        # Aborted, not started: the long request still the one running when it left, and the
+        # image request never among the running ones.
         long_running = bool(running_then) and sample[2] == running_then
+        samples = probe_watch(probe).get("requests", [])
+        started = any(image_id in v[2] for t, v in samples if t_post <= t <= t_gone)
         freed = seconds_until_freed(probe, t_post, t_close) if too_big else {}
         # What the engine core's scheduler did meanwhile, times from the close (the record).
         watched = [
-            [round(t - t_close, 3), v]
-            for t, v in probe_watch(probe).get("requests", [])
-            if t_post - 1 <= t <= t_close + gone_s + 1
+            [round(t - t_close, 3), v[:3]] for t, v in samples if t_post - 1 <= t <= t_gone + 1
         ]
     finally:
         stop.set()  # the long request's client goes too (vLLM aborts it)
@@ -685,7 +700,9 @@ def abort_while_waiting(
     d = frontend_deltas(before, after)
     return {
         "queued_s": queued_s,
-        "left_waiting_queue_s": gone_s,
+        "left_scheduler_s": gone_s,
+        "image_request_id": image_id,
+        "image_request_started": started,
         "long_request_still_running": long_running,
         "long_request_error": long_req.get("error"),
         "long_request_stopped": long_req.get("stopped"),
@@ -733,11 +750,12 @@ def run_too_big(args: argparse.Namespace, seed_base: int) -> dict[str, Any]:
 
 
 def aborted_unforwarded(ab: dict[str, Any]) -> bool:
-    """An ``abort_while_waiting`` result: the image request left the queue while the long
-    text request still ran, its item copied once into the frontend arena, forwarded to no
-    worker."""
+    """An ``abort_while_waiting`` result: the image request left the scheduler, never having
+    run, while the long text request still ran; its item copied once into the frontend arena,
+    forwarded to no worker."""
     return (
         ab["long_request_still_running"]
+        and not ab["image_request_started"]
         and ab["long_request_error"] is None
         and ab["filled"] == 1
         and ab["forwarded"] == 0
@@ -941,9 +959,9 @@ def eviction_checks(rec: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
             (
                 "eviction",
                 "abort while waiting: the image request waited behind the long text request "
-                "and left the queue while that one still ran; its item was copied once into "
-                "the frontend arena, forwarded to no worker, and is held by vLLM's cache alone "
-                "(one more slot in use)",
+                "and left the scheduler, never run, while that one still ran; its item was "
+                "copied once into the frontend arena, forwarded to no worker, and is held by "
+                "vLLM's cache alone (one more slot in use)",
                 aborted_unforwarded(ab) and ab["in_use_after"] == ab["in_use_before"] + 1,
                 json.dumps(ab),
             )

@@ -41,11 +41,14 @@ clock for every process on the machine, so a harness compares these times with i
   figure is when the slot came free, not when the next metrics report noticed);
 * ``acked`` (the engine core): the stubs reader 0 acked (``stats()["acked"]``), each when the
   last view of what it stood for died there;
-* ``requests`` (the engine core): ``[running, waiting, ids of the running requests]``, the
-  scheduler's own counts (``Scheduler.get_request_counts``) and its running list. vLLM's
-  ``num_requests_waiting`` gauge is no substitute: it moves only when the engine core's stats
-  reach the API server, and a harness polling it beside a running request saw a waiting
-  request late or never.
+* ``requests`` (the engine core): ``[running, waiting, ids of the running requests, ids of
+  every request the scheduler holds]``, its own counts (``Scheduler.get_request_counts``), its
+  running list and its ``requests`` dict (a request is there from ``add_request`` until its
+  blocks are freed, whatever queue it sits in). A harness follows one request by its id: the
+  waiting count is no substitute (``schedule`` pops waiting requests into a local deque and
+  puts them back, and deferred ones are not counted, so a sample taken meanwhile showed 0 while
+  a request still waited), nor is vLLM's ``num_requests_waiting`` gauge (it moves only when
+  the engine core's stats reach the API server).
 """
 
 from __future__ import annotations
@@ -284,9 +287,13 @@ def _watch_scheduler(orig):
     def wrapped(self, *a, **kw):
         orig(self, *a, **kw)
 
-        def requests() -> tuple:
-            running, waiting = self.get_request_counts()
-            return running, waiting, sorted(r.request_id for r in list(self.running))
+        def requests() -> tuple | None:
+            try:
+                running, waiting = self.get_request_counts()
+                ids = sorted(r.request_id for r in list(self.running))
+                return running, waiting, ids, sorted(list(self.requests))
+            except RuntimeError:  # a container changed size meanwhile: the next sample
+                return None
 
         _start_watch("requests", requests)
 
