@@ -95,7 +95,8 @@ def _warn_once(seen: set, cause: str, msg: str, *args) -> None:
 #: and tries once more before it declines a tensor: vLLM's API server keeps an aborted
 #: request's processed prompt, and with it the item's loans, in a reference cycle (the
 #: cancelled ``AsyncLLM.generate`` frame and its ``CancelledError`` traceback) that only that
-#: collector frees, seconds later on an idle server (docs/end_to_end_tests.md).
+#: collector frees, seconds later on an idle server (docs/end_to_end_tests.md). The vLLM
+#: rebinding also asks for a collection soon after it sends an abort (``collect_after_abort``).
 COLLECT_EVERY_S = 1.0
 
 
@@ -128,9 +129,17 @@ class FrontendWriter:
         self.min_bytes = int(min_bytes)
         self._warned: set[str] = set()
         # What fill did; the stubs sent are the arena's own count (stats()["sends"]).
-        # "collections": garbage collections a full arena ran before declining.
-        self.counters = {"filled": 0, "filled_bytes": 0, "declined": 0, "collections": 0}
+        # "collections": garbage collections run (a full arena before declining, or after an
+        # abort); "collection_s": the seconds they took.
+        self.counters = {
+            "filled": 0,
+            "filled_bytes": 0,
+            "declined": 0,
+            "collections": 0,
+            "collection_s": 0.0,
+        }
         self._collected_at = -float("inf")
+        self._filled_at_collection = 0
 
     def handle(self) -> ArenaHandle:
         return self.arena.handle()
@@ -180,12 +189,33 @@ class FrontendWriter:
     def _collect_garbage(self) -> bool:
         """Runs ``gc.collect()`` unless it ran less than ``COLLECT_EVERY_S`` ago; whether it
         ran (loans that only garbage cycles held are then back, for the next allocation)."""
-        now = time.monotonic()
-        if now - self._collected_at < COLLECT_EVERY_S:
-            return False
-        self._collected_at = now
-        self.counters["collections"] += 1
+        return self._wait_to_collect() == 0 and self._collect()
+
+    def collect_after_abort(self) -> float:
+        """After requests were aborted (the caller knows): runs ``gc.collect()`` when a loan
+        was filled since the last collection (else nothing could be newly held by garbage) and
+        none ran in the last ``COLLECT_EVERY_S``. Returns 0.0 when done or nothing was to do,
+        else the seconds to wait before calling again. An aborted request's loans then come
+        back within a collection's time instead of whenever the collector next runs a full
+        pass (seconds on an idle server)."""
+        if self.counters["filled"] == self._filled_at_collection:
+            return 0.0
+        wait = self._wait_to_collect()
+        if wait == 0:
+            self._collect()
+        return wait
+
+    def _wait_to_collect(self) -> float:
+        """Seconds until a collection is allowed (0.0: now)."""
+        return max(0.0, self._collected_at + COLLECT_EVERY_S - time.monotonic())
+
+    def _collect(self) -> bool:
+        t0 = time.monotonic()
+        self._collected_at = t0
+        self._filled_at_collection = self.counters["filled"]
         gc.collect()
+        self.counters["collections"] += 1
+        self.counters["collection_s"] += time.monotonic() - t0
         return True
 
     def consumer(self) -> LoanStubConsumer:

@@ -20,7 +20,9 @@ vLLM's ``lru`` one (the default) with one engine (data parallel size 1), and
 
 ``SyncMPClient._send_input`` and ``AsyncMPClient._send_input`` are wrapped too: a message
 whose encoding or socket send fails (raised, or its send future failed or was cancelled) has
-its sends taken back, so the engine core never owes stubs it was not sent.
+its sends taken back, so the engine core never owes stubs it was not sent. After an abort
+message, the API server runs a garbage collection soon (``_collect_after_abort``): vLLM keeps
+an aborted request's processed prompt, and with it the item's loans, in a reference cycle.
 
 ``vllm.v1.engine.core.EngineCore.__init__`` is wrapped to attach the engine core as reader 0
 before its executor is built, and names that reader the forward source
@@ -41,6 +43,7 @@ not attached, no forward while a worker is not, a declined tensor sent as vLLM s
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import dataclasses
 import logging
@@ -148,12 +151,15 @@ REPORT_LINE = "frontend arena at exit:"
 def _report_and_close(w: frontend.FrontendWriter) -> None:
     c = w.counters
     logger.info(
-        "vllm_shm_arena: %s %d items' tensors filled (%d B), %d stubs sent, %d declined",
+        "vllm_shm_arena: %s %d items' tensors filled (%d B), %d stubs sent, %d declined, "
+        "%d garbage collections (%.1f ms)",
         REPORT_LINE,
         c["filled"],
         c["filled_bytes"],
         w.arena.stats(holdings=False)["sends"],
         c["declined"],
+        c["collections"],
+        c["collection_s"] * 1e3,
     )
     metrics.forget_arena_size(w.arena.name)
     w.arena.close()
@@ -259,10 +265,11 @@ def _define_classes(lru_sender: type, oob_consumer: type, encoder: type, decoder
     return FrontendSenderCache, FrontendMsgpackEncoder, FrontendMsgpackDecoder
 
 
-def _unsend_on_failure(send_input):
+def _send_input_hooks(send_input):
     """``send_input`` (an MPClient's ``_send_input``: encode, then queue on the socket) with
-    the message's sends taken back when it does not go: it raised, or the send future it
-    returned failed or was cancelled."""
+    the message's sends taken back when it does not go (it raised, or the send future it
+    returned failed or was cancelled), and a garbage collection soon after an abort message
+    (``_collect_after_abort``)."""
 
     def _send_input(self, *args, **kwargs):
         enc = self.encoder
@@ -273,6 +280,9 @@ def _unsend_on_failure(send_input):
             if take is not None and (sends := take()):
                 enc.vsa_unsend(sends)
             raise
+        request_type = args[0] if args else kwargs.get("request_type")
+        if getattr(request_type, "name", None) == "ABORT":
+            _collect_after_abort()
         if take is not None and (sends := take()) and hasattr(result, "add_done_callback"):
 
             def settle(fut, sends=sends):
@@ -284,6 +294,42 @@ def _unsend_on_failure(send_input):
 
     _send_input._vsa_frontend = True
     return _send_input
+
+
+#: Seconds from an abort message to the API server's collection: the aborted request's
+#: ``generate`` sends the abort from its ``except CancelledError`` and lets go of its prompt
+#: (into the reference cycle) only when the error has left it, a few loop turns later.
+ABORT_COLLECT_DELAY_S = 0.05
+_collect_scheduled = False
+
+
+def _collect_after_abort(delay: float = ABORT_COLLECT_DELAY_S) -> None:
+    """Schedules ``FrontendWriter.collect_after_abort`` on the running event loop (the API
+    server's) ``delay`` seconds from now, once however many aborts come meanwhile, again
+    later when it had to wait for ``frontend.COLLECT_EVERY_S``. Nothing without this
+    process's writer or outside an event loop (an offline ``LLM`` has no cancelled coroutine
+    to hold its prompt)."""
+    global _collect_scheduled
+    writer = _own_writer()
+    if writer is None or _collect_scheduled:
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+
+    def collect() -> None:
+        global _collect_scheduled
+        _collect_scheduled = False
+        try:
+            wait = writer.collect_after_abort()
+        except Exception:  # noqa: BLE001  (closed at exit: an abort never fails)
+            return
+        if wait > 0:
+            _collect_after_abort(wait)
+
+    _collect_scheduled = True
+    loop.call_later(delay, collect)
 
 
 _unlinked: set[str] = set()
@@ -480,7 +526,7 @@ def install() -> None:
     core_client.MsgpackEncoder = enc
     engine_core.MsgpackDecoder = dec
     for client in (core_client.SyncMPClient, core_client.AsyncMPClient):
-        client._send_input = _unsend_on_failure(client._send_input)
+        client._send_input = _send_input_hooks(client._send_input)
     init = engine_core.EngineCore.__init__
     engine_core.EngineCore.__init__ = _attach_before_executor(init)
     engine_core.EngineCore.preprocess_add_request = _drop_decoded_items(

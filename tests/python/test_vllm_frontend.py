@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import gc
 import multiprocessing as mp
+import os
 from collections import UserDict
 from types import SimpleNamespace
 
@@ -120,7 +121,7 @@ def _api_server_and_engine_core(engine_core_main):
     check failed first) and must exit 0."""
     w = frontend.FrontendWriter(2, 32 * MiB)
     saved = (vllm_frontend._writer, vllm_frontend._writer_pid)
-    vllm_frontend._writer, vllm_frontend._writer_pid = w, __import__("os").getpid()
+    vllm_frontend._writer, vllm_frontend._writer_pid = w, os.getpid()
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     p = ctx.Process(target=engine_core_main, args=(frontend.handle_to_env(w.handle()), b))
@@ -282,14 +283,14 @@ def test_a_message_that_does_not_go_has_its_sends_taken_back():
 
     client = SimpleNamespace(encoder=_Encoder([(3, 7)]))
     with pytest.raises(OSError):
-        vllm_frontend._unsend_on_failure(raising)(client, 0, None)
+        vllm_frontend._send_input_hooks(raising)(client, 0, None)
     assert client.encoder.unsent == [(3, 7)]
 
     outcomes = {}
     for outcome in ("sent", "failed", "cancelled"):
         fut = Future()
         client = SimpleNamespace(encoder=_Encoder([(1, 2), (4, 5)]))
-        returned = vllm_frontend._unsend_on_failure(lambda self, t, r, f=fut: f)(client, 0, None)
+        returned = vllm_frontend._send_input_hooks(lambda self, t, r, f=fut: f)(client, 0, None)
         assert returned is fut
         assert client.encoder.unsent == []  # not settled yet
         if outcome == "sent":
@@ -302,7 +303,50 @@ def test_a_message_that_does_not_go_has_its_sends_taken_back():
     assert outcomes == {"sent": [], "failed": [(1, 2), (4, 5)], "cancelled": [(1, 2), (4, 5)]}
 
     plain = SimpleNamespace(encoder=object())  # vLLM's own encoder: nothing to take back
-    assert vllm_frontend._unsend_on_failure(lambda self, t, r: "ok")(plain, 0, None) == "ok"
+    assert vllm_frontend._send_input_hooks(lambda self, t, r: "ok")(plain, 0, None) == "ok"
+
+
+class _RequestType:  # stands for vLLM's EngineCoreRequestType members (an enum)
+    def __init__(self, name):
+        self.name = name
+
+
+def test_an_abort_message_has_the_api_server_collect_its_garbage_soon(monkeypatch):
+    # vLLM keeps an aborted request's processed prompt in a reference cycle: after an abort
+    # message the API server collects (once for a burst of aborts), so the item's slot comes
+    # back without waiting for the collector's next full pass.
+    import asyncio
+
+    w = frontend.FrontendWriter(1, 32 * MiB, max_allocations=16)
+    monkeypatch.setattr(vllm_frontend, "_writer", w)
+    monkeypatch.setattr(vllm_frontend, "_writer_pid", os.getpid())
+    monkeypatch.setattr(vllm_frontend, "ABORT_COLLECT_DELAY_S", 0.01)
+    send = vllm_frontend._send_input_hooks(lambda self, t, r: None)
+    client = SimpleNamespace(encoder=_Encoder([]))
+
+    async def abort_then_wait(request_type):
+        for _ in range(3):  # a burst: one collection
+            send(client, request_type, ["req-1"])
+        await asyncio.sleep(0.2)
+
+    gc.disable()
+    try:
+        cycle: list = [w.fill(torch.ones(8 * MiB, dtype=torch.uint8))]
+        cycle.append(cycle)
+        del cycle
+        asyncio.run(abort_then_wait(_RequestType("ADD")))
+        assert w.counters["collections"] == 0  # not an abort: nothing
+        w.arena.reclaim(check_liveness=False)
+        assert w.arena.stats(holdings=False)["in_use"] == 1
+        asyncio.run(abort_then_wait(_RequestType("ABORT")))
+        assert w.counters["collections"] == 1
+        w.arena.reclaim(check_liveness=False)
+        assert w.arena.stats(holdings=False)["in_use"] == 0
+        send(client, _RequestType("ABORT"), ["req-2"])  # no event loop (offline): nothing
+        assert w.counters["collections"] == 1 and not vllm_frontend._collect_scheduled
+    finally:
+        gc.enable()
+        w.arena.close()
 
 
 class _Built(Exception):
