@@ -599,31 +599,38 @@ def request_left(probe_dir: str, t0: float, request_id: str) -> tuple[float, lis
     return next(((t, v) for t, v in samples if t >= t0 and request_id not in v[3]), None)
 
 
-def seconds_until_freed(probe_dir: str, t_post: float, t_close: float) -> dict[str, float]:
-    """When the aborted item's slot came free, from the serve probe's watch of the frontend
+def seconds_until_freed(
+    probe_dir: str, t_post: float, t_end: float, *, acked: bool = True
+) -> dict[str, float]:
+    """When a request's item's slot came free, from the serve probe's watch of the frontend
     arena (every 5 ms, each process's own clock readings: CLOCK_MONOTONIC is one clock on a
-    machine): ``freed_s``, seconds from the client's close (``t_close``) until the API
-    server's writer held again as many allocations as before the request was posted
-    (``t_post``), after holding one more; ``acked_s``, until the engine core acked the stub
-    (its last view died). Waits up to 60 s for both."""
+    machine): ``freed_s``, seconds from ``t_end`` (the client's close, or its last token)
+    until the API server's writer held again as many allocations as before the request was
+    posted (``t_post``), after holding one more; with ``acked``, ``acked_s``, until the
+    engine core acked the stub after ``t_end`` (its last view died). Waits up to 60 s."""
 
     def found() -> dict[str, float] | None:
         watch = probe_watch(probe_dir)
-        in_use, acked = watch.get("in_use", []), watch.get("acked", [])
+        in_use, acks = watch.get("in_use", []), watch.get("acked", [])
         before = [v for t, v in in_use if t < t_post]
-        acks = [v for t, v in acked if t < t_close]
-        if not before or not acks:
+        acks_before = [v for t, v in acks if t < t_end]
+        if not before or (acked and not acks_before):
             return None
         rose = next((t for t, v in in_use if t >= t_post and v > before[-1]), None)
         freed = next(
             (t for t, v in in_use if rose is not None and t > rose and v <= before[-1]), None
         )
-        ack = next((t for t, v in acked if t >= t_close and v > acks[-1]), None)
-        if freed is None or ack is None:
+        if freed is None:
             return None
-        return {"freed_s": freed - t_close, "acked_s": ack - t_close, "filled_s": rose - t_post}
+        out = {"freed_s": freed - t_end, "filled_s": rose - t_post}
+        if acked:
+            ack = next((t for t, v in acks if t >= t_end and v > acks_before[-1]), None)
+            if ack is None:
+                return None
+            out["acked_s"] = ack - t_end
+        return out
 
-    return wait_for("the aborted item's slot to be free (the serve probe)", found, 60, PROBE_POLL_S)
+    return wait_for("the item's slot to be free (the serve probe)", found, 60, PROBE_POLL_S)
 
 
 def abort_while_waiting(
@@ -736,12 +743,15 @@ def run_too_big(args: argparse.Namespace, seed_base: int) -> dict[str, Any]:
         rec["abort"] = abort_while_waiting(srv, args, r, too_big=True)
         print(f"serve-test [too-big]: abort while waiting: {json.dumps(rec['abort'])}")
         before = settle_metrics(srv, args)
-        res = chat_stream(
-            srv.base, image_content(prepare(r, args)), args.seed, 4, args.request_timeout
-        )
+        content = image_content(prepare(r, args))
+        t_post = time.monotonic()
+        res = chat_stream(srv.base, content, args.seed, 4, args.request_timeout)
+        # Before any other request (the settle's pings): nothing else may release it.
+        freed = seconds_until_freed(srv.probe_dir, t_post, time.monotonic(), acked=False)
         rec["again"] = {"token_ids": res["token_ids"]} | frontend_deltas(
             before, settle_metrics(srv, args)
         )
+        rec["again"]["freed_after_last_token_s"] = freed["freed_s"]
         rec["again"]["in_use_before"] = frontend_in_use(before)
         print(f"serve-test [too-big]: sent again: {json.dumps(rec['again'] | {'token_ids': None})}")
 
@@ -786,9 +796,11 @@ def too_big_checks(rec: dict[str, Any]) -> list[tuple[str, str, bool, str]]:
             (
                 "too-big",
                 "the same image again: vLLM serves it uncached, so one more copy and one "
-                "forward; once finished nothing holds its slot and no rank owes an ack; a "
-                "clean stop, no vsa_ name left",
+                "forward; once finished nothing holds its slot (free within "
+                f"{TOO_BIG_FREED_S:g} s of the client's last token, before any other request) "
+                "and no rank owes an ack; a clean stop, no vsa_ name left",
                 again["filled"] == 1
+                and again["freed_after_last_token_s"] <= TOO_BIG_FREED_S
                 and again["forwarded"] == 1
                 and again["hits"] == 0
                 and again["in_use"] == again["in_use_before"]

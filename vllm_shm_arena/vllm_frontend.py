@@ -32,10 +32,11 @@ resolves it in the frontend arena, which it attaches as rank 1 + its index), so 
 core copies nothing (mq/writer.py).
 
 ``vllm.v1.engine.core.EngineCore.preprocess_add_request`` is wrapped to let go of the decoded
-request's multimodal items once vLLM's ``Request`` holds them: vLLM's input thread keeps the
-last ``EngineCoreRequest`` it decoded in a local variable until the next one arrives, so an
-aborted or finished request's items (frontend slots) would otherwise stay held for as long as
-no new request came.
+request's multimodal items once vLLM's ``Request`` holds them, and to hand the ``Request`` to
+the busy loop in a ``_Handoff`` that its one unpacking empties: vLLM's input thread keeps the
+last ``EngineCoreRequest`` it decoded, and the ``(Request, wave)`` it made of it, in local
+variables until the next message arrives, so an aborted or finished request's items (frontend
+slots) would otherwise stay held for as long as no new message came.
 
 Any failure leaves vLLM's own path: no arena (one warning), no stub while the engine core is
 not attached, no forward while a worker is not, a declined tensor sent as vLLM sends it.
@@ -410,18 +411,35 @@ def _attach_before_executor(init):
     return __init__
 
 
+class _Handoff(list):
+    """``preprocess_add_request``'s ``(Request, wave)`` as the engine core's input thread
+    hands it to the busy loop, which unpacks it once (``req, request_wave = request`` in
+    ``EngineCore._handle_client_request``): that unpacking empties it, so the input thread's
+    local, kept until its next message, holds no ``Request`` (a second unpacking fails:
+    "not enough values to unpack")."""
+
+    __slots__ = ()
+
+    def __iter__(self):
+        items = list(list.__iter__(self))
+        self.clear()
+        return iter(items)
+
+
 def _drop_decoded_items(preprocess):
     """``EngineCore.preprocess_add_request`` that, in an engine core with a frontend reader
     (``_provider``), once the ``Request`` is made, clears the decoded ``EngineCoreRequest``'s
     ``mm_features`` (the ``Request`` holds the same list; vLLM itself reassigns that attribute
-    in this method): the caller, vLLM's input thread, keeps its last decoded request until the
-    next one, and with it every view of that request's items in the frontend arena."""
+    in this method) and returns ``(Request, wave)`` as a ``_Handoff``: the caller, vLLM's input
+    thread, keeps both its last decoded request and what this returned until the next
+    message, and with them every view of that request's items in the frontend arena."""
 
     def preprocess_add_request(self, request):
         out = preprocess(self, request)
-        if _provider is not None:  # an engine core resolving frontend stubs: vLLM's own
-            request.mm_features = None  # paths elsewhere (in-process engines) stay untouched
-        return out
+        if _provider is None:  # vLLM's own paths elsewhere (in-process engines) untouched
+            return out
+        request.mm_features = None
+        return _Handoff(out)
 
     preprocess_add_request._vsa_frontend = True
     preprocess_add_request.__wrapped__ = preprocess

@@ -187,7 +187,8 @@ def test_through_vllms_rebound_encoder_and_decoder():
 
 def _engine_core_keeps_its_last_request(raw_handle, conn):
     """The "engine core": decodes an EngineCoreRequest and makes vLLM's Request of it as its
-    input thread does, keeping the decoded request (that thread's local) to the end."""
+    input thread does, keeping the decoded request and what ``preprocess_add_request``
+    returned (that thread's locals) to the end; the busy loop unpacks the latter once."""
     import os
 
     os.environ["VLLM_SHM_ARENA_FRONTEND_HANDLE"] = raw_handle
@@ -199,7 +200,8 @@ def _engine_core_keeps_its_last_request(raw_handle, conn):
     conn.send("attached")
     req = dec.decode(conn.recv())
     stand_in = SimpleNamespace(mm_receiver_cache=None, request_block_hasher=None)
-    request, _ = engine_core.EngineCore.preprocess_add_request(stand_in, req)
+    handed = engine_core.EngineCore.preprocess_add_request(stand_in, req)  # input thread's
+    request, _ = handed  # the busy loop's unpacking (EngineCore._handle_client_request)
     t = request.mm_features[0].data["pixel_values"].data
     conn.send(float(t.sum()))
     conn.recv()
@@ -207,14 +209,15 @@ def _engine_core_keeps_its_last_request(raw_handle, conn):
     gc.collect()
     conn.send("released")
     conn.recv()
-    conn.send(req.request_id)  # the decoded request lived until here
+    conn.send((req.request_id, len(handed)))  # both lived until here
 
 
 @pytest.mark.vllm
 def test_the_engine_cores_last_decoded_request_holds_no_slot():
-    # vLLM's input thread keeps the EngineCoreRequest it decoded last until the next request
-    # arrives; once vLLM's Request is gone, the frontend slot must come back all the same
-    # (an aborted image nobody follows would otherwise hold its slot indefinitely).
+    # vLLM's input thread keeps the EngineCoreRequest it decoded last, and the (Request, wave)
+    # it made of it, until the next message arrives; once the scheduler lets go of the
+    # Request, the frontend slot must come back all the same (an aborted or finished image
+    # nobody follows would otherwise hold its slot until then).
     core_client = pytest.importorskip("vllm.v1.engine.core_client")
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams
@@ -241,7 +244,31 @@ def test_the_engine_cores_last_decoded_request_holds_no_slot():
         assert a.recv() == "released"
         assert _in_use(w) == 0
         a.send("exit")
-        assert a.recv() == "r1"
+        assert a.recv() == ("r1", 0)  # unpacked once, the hand-off holds nothing
+
+
+def test_the_busy_loops_unpacking_empties_what_the_input_thread_keeps(monkeypatch):
+    # Without vLLM: the wrapped preprocess_add_request's result, as vLLM's input thread keeps
+    # it in a local until its next message, lets go of the Request once the busy loop
+    # unpacked it; in a process without a frontend reader vLLM's tuple comes back untouched.
+    import weakref
+
+    class Request:  # stands for vLLM's
+        pass
+
+    decoded = SimpleNamespace(mm_features=["item"])
+    wrapped = vllm_frontend._drop_decoded_items(lambda self, r: (Request(), 7))
+    assert type(wrapped(None, decoded)) is tuple and decoded.mm_features == ["item"]
+    monkeypatch.setattr(vllm_frontend, "_provider", object())
+    kept = wrapped(None, decoded)  # the input thread's local
+    assert decoded.mm_features is None
+    req, wave = kept  # EngineCore._handle_client_request
+    gone = weakref.ref(req)
+    assert wave == 7 and len(kept) == 0
+    del req
+    assert gone() is None
+    with pytest.raises(ValueError, match="not enough values"):
+        _, _ = kept
 
 
 def test_a_changed_signature_is_named_and_refuses_the_rebinding():
