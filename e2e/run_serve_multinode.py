@@ -567,7 +567,9 @@ def checks_for(rec: dict[str, Any], args) -> list[tuple[str, bool, str]]:
                     f"{row['queue_port_bytes_per_payload']:.4f}",
                 )
             )
-        mm = [x.get("vllm:shm_arena_checksum_mismatches_total") for x in m]
+        # Every series of it (it has an arena label); None where no process exported it.
+        name = "vllm:shm_arena_checksum_mismatches_total"
+        mm = [st.metric(x, name) if st.series(x, name) else None for x in m]
         out.append(
             (
                 "0 checksum mismatches on both nodes (metric exported, no log line)",

@@ -348,6 +348,7 @@ def test_an_abort_message_has_the_api_server_collect_its_garbage_soon(monkeypatc
     monkeypatch.setattr(vllm_frontend, "_writer", w)
     monkeypatch.setattr(vllm_frontend, "_writer_pid", os.getpid())
     monkeypatch.setattr(vllm_frontend, "ABORT_COLLECT_DELAY_S", 0.01)
+    monkeypatch.setattr(vllm_frontend, "_collect_scheduled", False)
     send = vllm_frontend._send_input_hooks(lambda self, t, r: None)
     client = SimpleNamespace(encoder=_Encoder([]))
 
