@@ -139,7 +139,6 @@ class FrontendWriter:
             "collection_s": 0.0,
         }
         self._collected_at = -float("inf")
-        self._filled_at_collection = 0
 
     def handle(self) -> ArenaHandle:
         return self.arena.handle()
@@ -192,14 +191,11 @@ class FrontendWriter:
         return self._wait_to_collect() == 0 and self._collect()
 
     def collect_after_abort(self) -> float:
-        """After requests were aborted (the caller knows): runs ``gc.collect()`` when a loan
-        was filled since the last collection (else nothing could be newly held by garbage) and
-        none ran in the last ``COLLECT_EVERY_S``. Returns 0.0 when done or nothing was to do,
-        else the seconds to wait before calling again. An aborted request's loans then come
-        back within a collection's time instead of whenever the collector next runs a full
-        pass (seconds on an idle server)."""
-        if self.counters["filled"] == self._filled_at_collection:
-            return 0.0
+        """After a request that was sent stubs was aborted (the caller knows): runs
+        ``gc.collect()`` unless one ran in the last ``COLLECT_EVERY_S``. Returns 0.0 when it
+        ran, else the seconds to wait before calling again. The aborted request's loans then
+        come back within a collection's time instead of whenever the collector next runs a
+        full pass (seconds on an idle server)."""
         wait = self._wait_to_collect()
         if wait == 0:
             self._collect()
@@ -212,7 +208,6 @@ class FrontendWriter:
     def _collect(self) -> bool:
         t0 = time.monotonic()
         self._collected_at = t0
-        self._filled_at_collection = self.counters["filled"]
         gc.collect()
         self.counters["collections"] += 1
         self.counters["collection_s"] += time.monotonic() - t0

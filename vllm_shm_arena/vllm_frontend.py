@@ -21,8 +21,9 @@ vLLM's ``lru`` one (the default) with one engine (data parallel size 1), and
 ``SyncMPClient._send_input`` and ``AsyncMPClient._send_input`` are wrapped too: a message
 whose encoding or socket send fails (raised, or its send future failed or was cancelled) has
 its sends taken back, so the engine core never owes stubs it was not sent. After an abort
-message, the API server runs a garbage collection soon (``_collect_after_abort``): vLLM keeps
-an aborted request's processed prompt, and with it the item's loans, in a reference cycle.
+message naming a request that was sent stubs, the API server runs a garbage collection soon
+(``_collect_after_abort``): vLLM keeps an aborted request's processed prompt, and with it the
+item's loans, in a reference cycle.
 
 ``vllm.v1.engine.core.EngineCore.__init__`` is wrapped to attach the engine core as reader 0
 before its executor is built, and names that reader the forward source
@@ -269,7 +270,8 @@ def _define_classes(lru_sender: type, oob_consumer: type, encoder: type, decoder
 def _send_input_hooks(send_input):
     """``send_input`` (an MPClient's ``_send_input``: encode, then queue on the socket) with
     the message's sends taken back when it does not go (it raised, or the send future it
-    returned failed or was cancelled), and a garbage collection soon after an abort message
+    returned failed or was cancelled); an ADD message that sent stubs has its request id
+    noted, and an abort message naming a noted id has a garbage collection follow soon
     (``_collect_after_abort``)."""
 
     def _send_input(self, *args, **kwargs):
@@ -281,10 +283,14 @@ def _send_input_hooks(send_input):
             if take is not None and (sends := take()):
                 enc.vsa_unsend(sends)
             raise
-        request_type = args[0] if args else kwargs.get("request_type")
-        if getattr(request_type, "name", None) == "ABORT":
-            _collect_after_abort()
-        if take is not None and (sends := take()) and hasattr(result, "add_done_callback"):
+        sends = take() if take is not None else []
+        kind = getattr(args[0] if args else kwargs.get("request_type"), "name", None)
+        request = args[1] if len(args) > 1 else kwargs.get("request")
+        if kind == "ADD" and sends:
+            _note_loaned(getattr(request, "request_id", None))
+        elif kind == "ABORT":
+            _collect_after_abort(request)
+        if sends and hasattr(result, "add_done_callback"):
 
             def settle(fut, sends=sends):
                 if fut.cancelled() or fut.exception() is not None:
@@ -302,15 +308,41 @@ def _send_input_hooks(send_input):
 #: (into the reference cycle) only when the error has left it, a few loop turns later.
 ABORT_COLLECT_DELAY_S = 0.05
 _collect_scheduled = False
+#: The ids of the latest requests whose ADD message sent stubs (insertion order; at most
+#: ``LOANED_IDS_KEPT``: a finished request sends no message, so old ids age out). An abort
+#: of one of them is what may leave loans in a garbage cycle.
+_loaned_ids: dict[str, None] = {}
+LOANED_IDS_KEPT = 4096
+_ids_lock = threading.Lock()
 
 
-def _collect_after_abort(delay: float = ABORT_COLLECT_DELAY_S) -> None:
-    """Schedules ``FrontendWriter.collect_after_abort`` on the running event loop (the API
-    server's) ``delay`` seconds from now, once however many aborts come meanwhile, again
-    later when it had to wait for ``frontend.COLLECT_EVERY_S``. Nothing without this
-    process's writer or outside an event loop (an offline ``LLM`` has no cancelled coroutine
-    to hold its prompt)."""
+def _note_loaned(request_id: str | None) -> None:
+    if request_id is None:
+        return
+    with _ids_lock:
+        _loaned_ids[request_id] = None
+        while len(_loaned_ids) > LOANED_IDS_KEPT:
+            del _loaned_ids[next(iter(_loaned_ids))]
+
+
+def _collect_after_abort(request_ids: Any, delay: float = ABORT_COLLECT_DELAY_S) -> None:
+    """When an aborted request (``request_ids``: the ABORT message's list, or None for a
+    rescheduled call) was sent stubs, schedules ``FrontendWriter.collect_after_abort`` on the
+    running event loop (the API server's) ``delay`` seconds from now, once however many
+    aborts come meanwhile, again later when it had to wait for ``frontend.COLLECT_EVERY_S``.
+    Nothing without this process's writer or outside an event loop (an offline ``LLM`` has no
+    cancelled coroutine to hold its prompt)."""
     global _collect_scheduled
+    if request_ids is not None:
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        hit = False
+        with _ids_lock:
+            for i in ids or ():
+                if i in _loaned_ids:
+                    del _loaned_ids[i]
+                    hit = True
+        if not hit:
+            return
     writer = _own_writer()
     if writer is None or _collect_scheduled:
         return
@@ -327,7 +359,7 @@ def _collect_after_abort(delay: float = ABORT_COLLECT_DELAY_S) -> None:
         except Exception:  # noqa: BLE001  (closed at exit: an abort never fails)
             return
         if wait > 0:
-            _collect_after_abort(wait)
+            _collect_after_abort(None, wait)
 
     _collect_scheduled = True
     loop.call_later(delay, collect)

@@ -338,10 +338,11 @@ class _RequestType:  # stands for vLLM's EngineCoreRequestType members (an enum)
         self.name = name
 
 
-def test_an_abort_message_has_the_api_server_collect_its_garbage_soon(monkeypatch):
+def test_an_abort_of_a_request_sent_stubs_has_the_api_server_collect_soon(monkeypatch):
     # vLLM keeps an aborted request's processed prompt in a reference cycle: after an abort
-    # message the API server collects (once for a burst of aborts), so the item's slot comes
-    # back without waiting for the collector's next full pass.
+    # naming a request whose ADD sent stubs, the API server collects (once for a burst), so
+    # the item's slot comes back without waiting for the collector's next full pass; other
+    # aborts (a request without images, one finished by a stop string) cost nothing.
     import asyncio
 
     w = frontend.FrontendWriter(1, 32 * MiB, max_allocations=16)
@@ -349,32 +350,51 @@ def test_an_abort_message_has_the_api_server_collect_its_garbage_soon(monkeypatc
     monkeypatch.setattr(vllm_frontend, "_writer_pid", os.getpid())
     monkeypatch.setattr(vllm_frontend, "ABORT_COLLECT_DELAY_S", 0.01)
     monkeypatch.setattr(vllm_frontend, "_collect_scheduled", False)
+    monkeypatch.setattr(vllm_frontend, "_loaned_ids", {})
     send = vllm_frontend._send_input_hooks(lambda self, t, r: None)
-    client = SimpleNamespace(encoder=_Encoder([]))
+    add, abort = _RequestType("ADD"), _RequestType("ABORT")
 
-    async def abort_then_wait(request_type):
-        for _ in range(3):  # a burst: one collection
-            send(client, request_type, ["req-1"])
+    async def then_wait(*messages):
+        for client, request_type, request in messages:
+            send(client, request_type, request)
         await asyncio.sleep(0.2)
 
+    def collections_after(*messages) -> int:
+        asyncio.run(then_wait(*messages))
+        return w.counters["collections"]
+
+    plain = SimpleNamespace(encoder=_Encoder([]))  # a message that sent no stub
     gc.disable()
     try:
         cycle: list = [w.fill(torch.ones(8 * MiB, dtype=torch.uint8))]
         cycle.append(cycle)
         del cycle
-        asyncio.run(abort_then_wait(_RequestType("ADD")))
-        assert w.counters["collections"] == 0  # not an abort: nothing
+        text, image = SimpleNamespace(request_id="text"), SimpleNamespace(request_id="image")
+        assert collections_after((plain, add, text), (plain, abort, ["text"])) == 0
+        assert collections_after((SimpleNamespace(encoder=_Encoder([(1, 1)])), add, image)) == 0
         w.arena.reclaim(check_liveness=False)
         assert w.arena.stats(holdings=False)["in_use"] == 1
-        asyncio.run(abort_then_wait(_RequestType("ABORT")))
-        assert w.counters["collections"] == 1
+        burst = [(plain, abort, ["text", "image"])] + [(plain, abort, ["image"])] * 2
+        assert collections_after(*burst) == 1
         w.arena.reclaim(check_liveness=False)
         assert w.arena.stats(holdings=False)["in_use"] == 0
-        send(client, _RequestType("ABORT"), ["req-2"])  # no event loop (offline): nothing
+        assert vllm_frontend._loaned_ids == {}  # an abort forgets the id
+        assert collections_after((plain, abort, ["image"])) == 1  # already aborted
+        # No event loop (an offline LLM): nothing, even for a request sent stubs.
+        send(SimpleNamespace(encoder=_Encoder([(2, 2)])), add, image)
+        send(plain, abort, ["image"])
         assert w.counters["collections"] == 1 and not vllm_frontend._collect_scheduled
     finally:
         gc.enable()
         w.arena.close()
+
+
+def test_the_ids_of_requests_sent_stubs_are_bounded(monkeypatch):
+    monkeypatch.setattr(vllm_frontend, "_loaned_ids", {})
+    monkeypatch.setattr(vllm_frontend, "LOANED_IDS_KEPT", 3)
+    for i in range(5):
+        vllm_frontend._note_loaned(f"r{i}")
+    assert list(vllm_frontend._loaned_ids) == ["r2", "r3", "r4"]  # the oldest aged out
 
 
 class _Built(Exception):
