@@ -234,8 +234,11 @@ def run_round(args, config, seed0: int, rnd: int) -> dict:
         core_enq0 = len(p0.get(core, {}).get("enqueue", []))
         core_enq1 = len(p1.get(core, {}).get("enqueue", []))
         enq = p2.get(core, {}).get("enqueue", [])
-        image_steps = [dt for dt, big in enq[core_enq0:core_enq1] if big > 0]
-        text_steps = [dt for dt, big in enq[core_enq1:] if big == 0]
+        image_steps = [dt for dt, big, _ in enq[core_enq0:core_enq1] if big > 0]
+        text_steps = [dt for dt, big, _ in enq[core_enq1:] if big == 0]
+        # The text steps that add a request (its whole prompt, as long as an image's), the
+        # image steps' like for like.
+        text_new = [dt for dt, big, new in enq[core_enq1:] if big == 0 and new > 0]
         med = statistics.median
         rec = {
             "api_ms_per_image": ((a1 - a0) - (a2 - a1)) / n * 1e3,
@@ -261,6 +264,7 @@ def run_round(args, config, seed0: int, rnd: int) -> dict:
             "worker_batch_copy_x": per_image(p0, p1, workers, "reduce_copied_bytes"),
             "enqueue_image_step_ms": med(image_steps) * 1e3 if image_steps else math.nan,
             "enqueue_text_step_ms": med(text_steps) * 1e3 if text_steps else math.nan,
+            "enqueue_text_new_request_step_ms": med(text_new) * 1e3 if text_new else math.nan,
             "image_steps": len(image_steps),
             "core_frontend_arena_rss": _rss_of_mapping(core, arena) if arena else 0,
             "text_control_words": words,
@@ -300,6 +304,10 @@ ROWS = [
     ("api_ms_per_image", "API server CPU for the payload, ms (all threads)"),
     ("enqueue_image_step_ms", "broadcast enqueue, steps carrying an image, ms (median)"),
     ("enqueue_text_step_ms", "broadcast enqueue, text-only steps, ms (median)"),
+    (
+        "enqueue_text_new_request_step_ms",
+        "broadcast enqueue, text-only steps adding a request, ms (median)",
+    ),
     ("core_rss_anon_growth_per_image", "engine core anonymous memory growth, B"),
     ("core_frontend_arena_rss", "frontend arena resident in the engine core, B"),
 ]

@@ -28,9 +28,10 @@ What it counts, per process (``counts``; bytes of tensors or frames of at least 
   (vLLM's response queues, never this project's), so it grows with how long the workers
   compute and how much CPU the spinner gets beside them, not with what the engine core does
   to a payload.
-``enqueue``: one ``[seconds, big_bytes]`` per call of either queue's ``enqueue`` (the engine
-core's broadcast of each step), so a harness compares the steps carrying an image with the
-others.
+``enqueue``: one ``[seconds, big_bytes, new_requests]`` per call of either queue's
+``enqueue`` (the engine core's broadcast of each step; ``new_requests``: the scheduler
+output's ``scheduled_new_reqs`` in it, each with its whole prompt), so a harness compares the
+steps carrying an image with the others, and with the text steps that add a request too.
 
 ``watch`` (only with ``VSA_SERVE_PROBE_WATCH=1``: its threads wake every 5 ms, CPU that
 ``make serve-frontend-ab`` would count): ``[time.monotonic(), what, value]`` each time a watched
@@ -212,6 +213,17 @@ def _reduce_copy(self, a, out) -> int:
     )
 
 
+def _new_requests(obj, depth: int = 0) -> int:
+    """The ``scheduled_new_reqs`` of the scheduler output in a broadcast message (vLLM's
+    executor sends ``(method, args, kwargs, ...)``); 0 when there is none."""
+    new = getattr(obj, "scheduled_new_reqs", None)
+    if new is not None:
+        return len(new)
+    if depth < 3 and isinstance(obj, (tuple, list)):
+        return sum(_new_requests(o, depth + 1) for o in obj)
+    return 0
+
+
 def _enqueue_timed(orig):
     def wrapped(self, obj, *a, **kw):
         t0 = time.perf_counter()
@@ -221,7 +233,7 @@ def _enqueue_timed(orig):
         _add("enqueue_big_bytes", big)
         with _lock:
             if len(_enqueue) < 200000:
-                _enqueue.append([dt, big])
+                _enqueue.append([dt, big, _new_requests(obj)])
         return out
 
     return wrapped
