@@ -582,11 +582,11 @@ def new_waiting_request(probe_dir: str, t_post: float) -> tuple[float, str, list
     an id it did not hold before ``t_post``, held and not running. Times are the probe's, not
     when the harness read the file (written every 0.25 s, by a thread of a busy process)."""
     samples = probe_watch(probe_dir).get("requests", [])
-    known = [set(v[3]) for t, v in samples if t < t_post]
-    if not known:
+    before = next((v for t, v in reversed(samples) if t < t_post), None)
+    if before is None:
         return None
     for t, v in samples:
-        new = [i for i in v[3] if i not in known[-1] and i not in v[2]]
+        new = [i for i in v[3] if i not in before[3] and i not in v[2]]
         if t >= t_post and new:
             return t, new[0], v[2]
     return None

@@ -96,7 +96,7 @@ def _warn_once(seen: set, cause: str, msg: str, *args) -> None:
 #: request's processed prompt, and with it the item's loans, in a reference cycle (the
 #: cancelled ``AsyncLLM.generate`` frame and its ``CancelledError`` traceback) that only that
 #: collector frees, seconds later on an idle server (docs/end_to_end_tests.md). The vLLM
-#: rebinding also asks for a collection soon after it sends an abort (``collect_after_abort``).
+#: rebinding also asks for a collection soon after it sends an abort (``collect_garbage``).
 COLLECT_EVERY_S = 1.0
 
 
@@ -172,7 +172,7 @@ class FrontendWriter:
             _warn_once(self._warned, "contiguous", "a non-contiguous tensor stays out")
             return None
         loan = self.arena.empty(list(tensor.shape), tensor.dtype)
-        if loan is None and self._collect_garbage():
+        if loan is None and self.collect_garbage() == 0.0:
             loan = self.arena.empty(list(tensor.shape), tensor.dtype)
         if loan is None:
             self.counters["declined"] += 1
@@ -185,33 +185,22 @@ class FrontendWriter:
         self.counters["filled_bytes"] += nbytes
         return loan
 
-    def _collect_garbage(self) -> bool:
-        """Runs ``gc.collect()`` unless it ran less than ``COLLECT_EVERY_S`` ago; whether it
-        ran (loans that only garbage cycles held are then back, for the next allocation)."""
-        return self._wait_to_collect() == 0 and self._collect()
-
-    def collect_after_abort(self) -> float:
-        """After a request that was sent stubs was aborted (the caller knows): runs
-        ``gc.collect()`` unless one ran in the last ``COLLECT_EVERY_S``. Returns 0.0 when it
-        ran, else the seconds to wait before calling again. The aborted request's loans then
-        come back within a collection's time instead of whenever the collector next runs a
-        full pass (seconds on an idle server)."""
-        wait = self._wait_to_collect()
-        if wait == 0:
-            self._collect()
-        return wait
-
-    def _wait_to_collect(self) -> float:
-        """Seconds until a collection is allowed (0.0: now)."""
-        return max(0.0, self._collected_at + COLLECT_EVERY_S - time.monotonic())
-
-    def _collect(self) -> bool:
+    def collect_garbage(self) -> float:
+        """Runs ``gc.collect()`` unless one ran in the last ``COLLECT_EVERY_S``: 0.0 when it
+        ran (loans that only garbage cycles held are then back, for the next allocation),
+        else the seconds until one may. ``fill`` calls it when the arena is full; the vLLM
+        rebinding after an abort of a request that was sent stubs, so that its loans come back
+        within a collection's time instead of whenever the collector next runs a full pass
+        (seconds on an idle server)."""
         t0 = time.monotonic()
+        wait = self._collected_at + COLLECT_EVERY_S - t0
+        if wait > 0:
+            return wait
         self._collected_at = t0
         gc.collect()
         self.counters["collections"] += 1
         self.counters["collection_s"] += time.monotonic() - t0
-        return True
+        return 0.0
 
     def consumer(self) -> LoanStubConsumer:
         """A new out-of-band tensor consumer over this arena (one per encoder)."""

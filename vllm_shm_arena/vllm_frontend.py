@@ -327,7 +327,7 @@ def _note_loaned(request_id: str | None) -> None:
 
 def _collect_after_abort(request_ids: Any, delay: float = ABORT_COLLECT_DELAY_S) -> None:
     """When an aborted request (``request_ids``: the ABORT message's list, or None for a
-    rescheduled call) was sent stubs, schedules ``FrontendWriter.collect_after_abort`` on the
+    rescheduled call) was sent stubs, schedules ``FrontendWriter.collect_garbage`` on the
     running event loop (the API server's) ``delay`` seconds from now, once however many
     aborts come meanwhile, again later when it had to wait for ``frontend.COLLECT_EVERY_S``.
     Nothing without this process's writer or outside an event loop (an offline ``LLM`` has no
@@ -355,7 +355,7 @@ def _collect_after_abort(request_ids: Any, delay: float = ABORT_COLLECT_DELAY_S)
         global _collect_scheduled
         _collect_scheduled = False
         try:
-            wait = writer.collect_after_abort()
+            wait = writer.collect_garbage()
         except Exception:  # noqa: BLE001  (closed at exit: an abort never fails)
             return
         if wait > 0:

@@ -46,10 +46,11 @@ clock for every process on the machine, so a harness compares these times with i
   every request the scheduler holds]``, its own counts (``Scheduler.get_request_counts``), its
   running list and its ``requests`` dict (a request is there from ``add_request`` until its
   blocks are freed, whatever queue it sits in). A harness follows one request by its id: the
-  waiting count is no substitute (``schedule`` pops waiting requests into a local deque and
-  puts them back, and deferred ones are not counted, so a sample taken meanwhile showed 0 while
-  a request still waited), nor is vLLM's ``num_requests_waiting`` gauge (it moves only when
-  the engine core's stats reach the API server).
+  waiting count is no substitute (samples of it showed 0 while a request still waited, and
+  1 for 27-30 s after it left; likely because ``schedule`` pops waiting requests into a local
+  deque and puts them back, and deferred ones are not counted), nor is vLLM's
+  ``num_requests_waiting`` gauge (it moves only when the engine core's stats reach the API
+  server).
 """
 
 from __future__ import annotations
@@ -231,9 +232,10 @@ def _enqueue_timed(orig):
         dt = time.perf_counter() - t0
         big = _big_tensor_bytes(obj)
         _add("enqueue_big_bytes", big)
+        record = [dt, big, _new_requests(obj)]
         with _lock:
             if len(_enqueue) < 200000:
-                _enqueue.append([dt, big, _new_requests(obj)])
+                _enqueue.append(record)
         return out
 
     return wrapped

@@ -139,16 +139,16 @@ def test_after_an_abort_a_collection_frees_garbage_loans_at_most_once_a_period(e
     try:
         _garbage_loan(w, 8 * MiB)
         assert _in_use(w) == 1
-        assert w.collect_after_abort() == 0.0
+        assert w.collect_garbage() == 0.0
         assert _in_use(w) == 0 and w.counters["collections"] == 1
         # A collection ran less than COLLECT_EVERY_S ago: the caller is told how long to
         # wait, and nothing runs now.
         monkeypatch.setattr(frontend, "COLLECT_EVERY_S", 3600.0)
         _garbage_loan(w, 8 * MiB)
-        wait = w.collect_after_abort()
+        wait = w.collect_garbage()
         assert 3500 < wait <= 3600 and w.counters["collections"] == 1 and _in_use(w) == 1
         monkeypatch.setattr(frontend, "COLLECT_EVERY_S", 0.0)
-        assert w.collect_after_abort() == 0.0 and _in_use(w) == 0
+        assert w.collect_garbage() == 0.0 and _in_use(w) == 0
         assert w.counters["collections"] == 2
     finally:
         gc.enable()
