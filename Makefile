@@ -4,7 +4,7 @@ SHELL := /bin/bash
 CLANG_FORMAT := .venv/bin/clang-format
 CXX_SOURCES = $(shell find csrc tests/cpp tests/fake_cudart benchmarks -name '*.cpp' -o -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: bootstrap bench bench-copy bench-full bench-vs-vllm bench-multinode bench-remote-publish test test-steps lint cpp-test py-test stress sanitize tsan asan gpu-check gpu-bundle vllm-test vllm-queue-tests serve-test serve-multinode-test serve-frontend-ab format
+.PHONY: bootstrap bench bench-copy bench-full bench-vs-vllm bench-response-queue bench-multinode bench-remote-publish test test-steps lint cpp-test py-test stress sanitize tsan asan gpu-check gpu-bundle vllm-test vllm-queue-tests serve-test serve-multinode-test serve-frontend-ab format
 .PHONY: wheel compat-test install-test
 
 bootstrap:
@@ -37,6 +37,12 @@ bench-vs-vllm:
 	$(VLLM_VENV)/bin/python -c "import matplotlib" 2>/dev/null \
 	  || $(VLLM_VENV)/bin/python -m pip install -q matplotlib
 	$(VLLM_VENV)/bin/python benchmarks/bench_vs_vllm.py
+
+# The workers' response queues, ours vs vLLM's, in the executor's step loop (TP 1 and 2; about
+# 2 minutes): writes benchmarks/results/response_queue/.
+bench-response-queue:
+	VLLM_TEST_SETUP_ONLY=1 VLLM_VENV=$(VLLM_VENV) bash e2e/vllm_test.sh
+	$(VLLM_VENV)/bin/python benchmarks/bench_response_queue.py
 
 # Every test: lint, the core's Catch2 suite, the Python suite, the sanitizer builds; then its
 # own wall time (kept under 8 minutes on the 2-core development machine with the build in place).

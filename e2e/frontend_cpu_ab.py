@@ -156,10 +156,15 @@ def _matching_words(base: str, image_msg: list) -> int:
     return max(0, round((target - t0) / per_word))
 
 
+#: Text requests timed after the measured phases, and the tokens each generates.
+DECODE_REQUESTS = 5
+DECODE_TOKENS = 48
+
 #: The configurations, each interleaved with the others round by round: (name, the arena flag,
 #: extra serve arguments, extra environment).
 CONFIGS = [
     ("frontend", "--enable-shm-tensor-arena", [], {}),
+    ("vllm-responses", "--enable-shm-tensor-arena", [], {"VLLM_SHM_ARENA_RESPONSE_QUEUES": "0"}),
     ("plugin", "--enable-shm-tensor-arena", [], {"VLLM_SHM_ARENA_FRONTEND": "0"}),
     ("stock-lru", "--no-enable-shm-tensor-arena", [], {}),
     ("stock-shm", "--no-enable-shm-tensor-arena", ["--mm-processor-cache-type", "shm"], {}),
@@ -215,6 +220,13 @@ def run_round(args, config, seed0: int, rnd: int) -> dict:
         time.sleep(1.1)
         chat_stream(srv.base, _text_content(0), args.seed, 4, 300)
         q1 = _counts(srv.base)
+        # Decode: text requests generating DECODE_TOKENS each, alone on the server; each
+        # step's wait for the workers' output is in its time per output token.
+        tpot, ttft = [], []
+        for i in range(DECODE_REQUESTS):
+            out = chat_stream(srv.base, _text_content(5000 + i), args.seed, DECODE_TOKENS, 300)
+            ttft.append(out["ttft_s"])
+            tpot.append((out["e2e_s"] - out["ttft_s"]) / max(1, len(out["token_ids"]) - 1))
         arena = _frontend_arena_name(log)
         n = args.images
         payload = pngs[0][0].pixel_values_bytes
@@ -266,6 +278,8 @@ def run_round(args, config, seed0: int, rnd: int) -> dict:
             "enqueue_text_step_ms": med(text_steps) * 1e3 if text_steps else math.nan,
             "enqueue_text_new_request_step_ms": med(text_new) * 1e3 if text_new else math.nan,
             "image_steps": len(image_steps),
+            "decode_tpot_ms": med(tpot) * 1e3,
+            "decode_ttft_ms": med(ttft) * 1e3,
             "core_frontend_arena_rss": _rss_of_mapping(core, arena) if arena else 0,
             "text_control_words": words,
             "pixel_values_bytes": payload,
@@ -295,7 +309,7 @@ ROWS = [
     ("core_zmq_io_ms_per_image", "of which ZeroMQ's I/O threads, ms"),
     (
         "core_spin_wait_ms_per_image",
-        "of which vLLM's spin waiting for the workers' output (acquire_read), ms",
+        "of which the wait for the workers' output (the response queues' reader), ms",
     ),
     (
         "core_ms_per_image_without_spin_wait",
@@ -308,6 +322,8 @@ ROWS = [
         "enqueue_text_new_request_step_ms",
         "broadcast enqueue, text-only steps adding a request, ms (median)",
     ),
+    ("decode_tpot_ms", f"text request, {DECODE_TOKENS} tokens: time per output token, ms"),
+    ("decode_ttft_ms", f"text request, {DECODE_TOKENS} tokens: time to first token, ms"),
     ("core_rss_anon_growth_per_image", "engine core anonymous memory growth, B"),
     ("core_frontend_arena_rss", "frontend arena resident in the engine core, B"),
 ]
@@ -376,6 +392,8 @@ def main() -> int:
         f"(1 min) at the end: {rec['load_1min']:.2f}.",
         "",
         "Configurations: `frontend` (`--enable-shm-tensor-arena`, this project's default), "
+        "`vllm-responses` (the same with `VLLM_SHM_ARENA_RESPONSE_QUEUES=0`: the workers' "
+        "response queues vLLM's own), "
         "`plugin` (the flag on, `VLLM_SHM_ARENA_FRONTEND=0`: the queue's arena alone), "
         "`stock-lru` (`--no-enable-shm-tensor-arena`: vLLM's own path, its default LRU "
         "multimodal cache), `stock-shm` (the same with `--mm-processor-cache-type shm`).",
@@ -406,14 +424,20 @@ def main() -> int:
         "CPU: every thread's time on a CPU as the scheduler counts it (/proc/<pid>/task/*/"
         "schedstat, nanoseconds); per image, the process's CPU over the images minus over as "
         "many text requests. The engine core waits for the workers' output of every step "
-        "in vLLM's own response queues, whose reader spins (`sched_yield` between checks of "
-        "the ring, in `shm_broadcast.MessageQueue.acquire_read`) while the workers compute: "
-        "that CPU grows with the workers' time (an image's encoder) and with how much CPU "
-        "the spinner gets beside them, not with what the engine core does to the payload; "
-        "the probe measures it (the thread's CPU in `acquire_read` until the message is "
-        "there) and the row without it subtracts it. Enqueue times include the probe's "
-        "wrapper. The frontend arena's resident bytes in the engine core: /proc/<pid>/smaps "
-        "at the end of the round. Every round: `frontend_cpu_ab.json`. Prints, never asserts.",
+        "in the workers' response queues. vLLM's reader spins (`sched_yield` between checks "
+        "of the ring, in `shm_broadcast.MessageQueue.acquire_read`) for a second after each "
+        "message, so while the workers compute that CPU grows with the workers' time (an "
+        "image's encoder) and with how much CPU the spinner gets beside them, not with what "
+        "the engine core does to the payload. This project's reader (the response queues "
+        "with the flag on, unless `VLLM_SHM_ARENA_RESPONSE_QUEUES=0`) spins only within 50 ms "
+        "of its last message, then sleeps on a futex. The probe measures the wait (the "
+        "thread's CPU in vLLM's `acquire_read` until the message is there; in this "
+        "project's `dequeue`, the unpickling included) and the row without it subtracts it. "
+        f"Decode: {DECODE_REQUESTS} text requests of {DECODE_TOKENS} output tokens each, one "
+        "at a time after the measured phases; time per output token = (end - first token) / "
+        "(tokens - 1); medians. Enqueue times include the probe's wrapper. The frontend "
+        "arena's resident bytes in the engine core: /proc/<pid>/smaps at the end of the round. "
+        "Every round: `frontend_cpu_ab.json`. Prints, never asserts.",
     ]
     with open(os.path.join(args.results, "frontend_cpu_ab.md"), "w") as f:
         f.write("\n".join(md) + "\n")

@@ -52,6 +52,12 @@ reads as "no plugin".
   memory and sends them to the engine core by reference (a stub) instead of over its socket.
   Default: ``1``. Valid: ``0`` turns it off; any other value leaves it on. Read when the API
   server builds its multimodal cache (vllm_frontend.py).
+* ``VLLM_SHM_ARENA_RESPONSE_QUEUES``: with the plugin active and --enable-shm-tensor-arena, each
+  worker's response queue (its step outputs to the engine core) is this package's queue too,
+  without a tensor arena: the engine core waits for the workers on our ring, spinning only while
+  messages flow (50 ms), then asleep, where vLLM's reader spins a second after every message.
+  Default: ``1``. Valid: ``0`` turns it off; any other value leaves it on. Read when a worker
+  builds its response queue (vllm_plugin.py).
 * ``VLLM_SHM_ARENA_FRONTEND_HANDLE``: the frontend arena's handle (JSON), which vLLM's API
   server sets for the engine core it starts. Default: unset. Valid: set by the package, never by
   hand (checked field by field where read). Read when the engine core is built, before its
@@ -301,6 +307,18 @@ VARIABLES: tuple[Variable, ...] = (
         unset=True,
     ),
     Variable(
+        "VLLM_SHM_ARENA_RESPONSE_QUEUES",
+        "`1`",
+        "`0` turns it off; any other value leaves it on",
+        "with the plugin active and --enable-shm-tensor-arena, each worker's response queue "
+        "(its step outputs to the engine core) is this package's queue too, without a tensor "
+        "arena: the engine core waits for the workers on our ring, spinning only while messages "
+        "flow (50 ms), then asleep, where vLLM's reader spins a second after every message",
+        "when a worker builds its response queue (vllm_plugin.py)",
+        lambda raw: raw != "0",
+        unset=True,
+    ),
+    Variable(
         "VLLM_SHM_ARENA_FRONTEND_HANDLE",
         "unset",
         "set by the package, never by hand (checked field by field where read)",
@@ -543,6 +561,11 @@ def frame_pool_bytes(environ: Env = None) -> int | None:
 def frontend_enabled(environ: Env = None) -> bool:
     """``VLLM_SHM_ARENA_FRONTEND``: False only for "0"."""
     return value("VLLM_SHM_ARENA_FRONTEND", environ)
+
+
+def response_queues_enabled(environ: Env = None) -> bool:
+    """``VLLM_SHM_ARENA_RESPONSE_QUEUES``: False only for "0"."""
+    return value("VLLM_SHM_ARENA_RESPONSE_QUEUES", environ)
 
 
 def frontend_handle(environ: Env = None) -> str | None:

@@ -49,7 +49,8 @@ _PARALLEL_STATE = "vllm.distributed.parallel_state"
 #   the executor calls on the broadcast queue (so also on ours), and of the group constructor
 #   whose collectives the multi-node join repeats;
 # * "GroupCoordinator.<name>", "parallel_state.<name>", "WorkerProc.<name>": the multi-node
-#   join's caller (WorkerProc._init_message_queues), what it replaces and what it calls;
+#   join's caller (WorkerProc._init_message_queues, which register() also wraps: there a worker
+#   builds its response queue), what it replaces and what it calls;
 # * "MultiprocExecutor._init_executor": where the executor builds the broadcast queue, which
 #   register() wraps so that the factory learns the executor's parallel config.
 # Entries are "name" or "name=repr(default)", in order, with "*"/"/" markers as in a printed

@@ -9,9 +9,13 @@ API server, engine core, each worker) rebinds that module's ``MessageQueue`` nam
 
 * ``ShmArenaMessageQueue(...)`` builds our queue only for the flagged queue whose readers are
   all on this node, or, on a multi-node run, laid out as vLLM's executor lays them out (node
-  0's ranks local, every node as big); every other queue (the response queues, the flag off,
-  other layouts, data parallelism across nodes) is vLLM's own class, built with the same
-  arguments.
+  0's ranks local, every node as big), and for each worker's response queue on one node
+  (``MessageQueue(1, 1)`` in ``WorkerProc._init_message_queues`` of a worker whose config has
+  the flag; without a tensor arena; ``VLLM_SHM_ARENA_RESPONSE_QUEUES=0`` keeps vLLM's): the
+  engine core then waits for each step's output on our ring, which spins only while messages
+  flow and then sleeps, instead of in vLLM's reader, which spins for a second after every
+  message. Every other queue (the flag off, other layouts, data parallelism across nodes, the
+  response queues of a multi-node run) is vLLM's own class, built with the same arguments.
 * ``ShmArenaMessageQueue.create_from_handle(handle, rank)`` dispatches on the handle's type,
   so a worker joins whichever kind of queue the engine built.
 * ``GroupCoordinator.create_mq_broadcaster`` (the workers' join on multi-node) runs vLLM's
@@ -57,6 +61,12 @@ _attempted = False
 _EXECUTOR_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar(
     "vllm_shm_arena_executor_config", default=None
 )
+#: A worker's parallel config while its ``WorkerProc._init_message_queues`` runs, where the
+#: worker builds its response queue (``MessageQueue(1, 1)``: the worker writes each step's
+#: output, the executor in the engine core reads it).
+_WORKER_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "vllm_shm_arena_worker_config", default=None
+)
 
 
 def _import_extension() -> ModuleType:
@@ -86,8 +96,9 @@ class ShmArenaMessageQueue(metaclass=_FactoryMeta):
 
     Takes vLLM's ``MessageQueue`` constructor signature. Ours when
     ``enable_shm_tensor_arena`` is set and either every reader is node-local or the remote
-    readers form a layout our join serves (``_remote_layout``, with the join installed); vLLM's
-    own class, with the same arguments, otherwise.
+    readers form a layout our join serves (``_remote_layout``, with the join installed), or
+    when it is a flagged worker's response queue (``_is_response_queue``); vLLM's own class,
+    with the same arguments, otherwise.
     """
 
     #: vLLM's ``MessageQueue`` and ``Handle`` (set by ``register()``).
@@ -163,6 +174,19 @@ class ShmArenaMessageQueue(metaclass=_FactoryMeta):
                     n_local_reader,
                 )
             return mq
+        elif not enable_shm_tensor_arena and cls._is_response_queue(
+            n_reader, n_local_reader, local_reader_ranks, connect_ip, args, kwargs
+        ):
+            # The worker's response queue of an executor whose broadcast queue is ours: ours
+            # too, without a tensor arena (a step's output is small), so the engine core waits
+            # for the workers on our ring (spin while messages flow, then sleep on a futex)
+            # rather than in vLLM's reader, which spins for a second after every message.
+            return ours(
+                n_reader,
+                n_local_reader,
+                max_chunk_bytes=max_chunk_bytes,
+                max_chunks=max_chunks,
+            )
         elif enable_shm_tensor_arena:
             logger.warning(
                 "vllm_shm_arena: --enable-shm-tensor-arena is set but %d of %d readers of "
@@ -202,6 +226,31 @@ class ShmArenaMessageQueue(metaclass=_FactoryMeta):
             f"{type(handle).__qualname__}; expected vllm_shm_arena's Handle or vLLM's "
             "shm_broadcast.Handle"
         )
+
+    @classmethod
+    def _is_response_queue(
+        cls,
+        n_reader: int,
+        n_local_reader: int,
+        local_reader_ranks: list[int] | None,
+        connect_ip: str | None,
+        args: tuple,
+        kwargs: dict,
+    ) -> bool:
+        """Whether this is a worker's response queue that should be ours: built inside
+        ``WorkerProc._init_message_queues`` of a worker whose parallel config has
+        ``enable_shm_tensor_arena``, one local reader, nothing else asked, and
+        ``VLLM_SHM_ARENA_RESPONSE_QUEUES`` not ``0``."""
+        config = _WORKER_CONFIG.get()
+        if config is None or getattr(config, "enable_shm_tensor_arena", False) is not True:
+            return False
+        if (n_reader, n_local_reader, local_reader_ranks, connect_ip) != (1, 1, None, None):
+            return False
+        if args or kwargs:
+            return False
+        from vllm_shm_arena import settings
+
+        return settings.response_queues_enabled()
 
     @classmethod
     def _remote_layout(
@@ -266,6 +315,27 @@ def _install_config_watch(mpe: ModuleType) -> None:
     executor._init_executor = _init_executor
 
 
+def _install_worker_watch(mpe: ModuleType) -> None:
+    """Wraps ``WorkerProc._init_message_queues`` (where a worker builds its response queue):
+    while it runs, ``_WORKER_CONFIG`` holds the worker's ``parallel_config``, which the
+    factory reads (the response queue's arguments do not carry the flag)."""
+    proc = mpe.WorkerProc
+    stock = proc._init_message_queues
+    if getattr(stock, "_vsa_stock", None) is not None:
+        return
+
+    def _init_message_queues(self, input_shm_handle, vllm_config):
+        token = _WORKER_CONFIG.set(getattr(vllm_config, "parallel_config", None))
+        try:
+            return stock(self, input_shm_handle, vllm_config)
+        finally:
+            _WORKER_CONFIG.reset(token)
+
+    _init_message_queues._vsa_stock = stock
+    _init_message_queues.__wrapped__ = stock  # inspect.signature reads vLLM's
+    proc._init_message_queues = _init_message_queues
+
+
 def _install_join(ps: ModuleType, mpe: ModuleType, mq_module: ModuleType) -> None:
     """Replaces ``GroupCoordinator.create_mq_broadcaster`` (a class attribute: every existing
     and future coordinator) with vllm_multinode's, which keeps vLLM's collectives and, for
@@ -304,6 +374,7 @@ def _patch(mpe: ModuleType, mq_module: ModuleType, ps: ModuleType) -> None:
     ShmArenaMessageQueue._ours_handle_cls = mq_module.Handle
     ShmArenaMessageQueue._vsa_stock = mpe.MessageQueue
     _install_config_watch(mpe)
+    _install_worker_watch(mpe)
     _install_join(ps, mpe, mq_module)
     ShmArenaMessageQueue._join_installed = True
     mpe.MessageQueue = ShmArenaMessageQueue

@@ -21,13 +21,14 @@ What it counts, per process (``counts``; bytes of tensors or frames of at least 
 * ``enqueue_big_bytes``: big tensors in the objects the broadcast queue's ``enqueue`` sends
   (vLLM's ``MessageQueue`` or this project's); how many bytes each config then copies is the
   queue's own business (its stats), this says only what it was handed.
-* ``read_wait_cpu_ns``: CPU time (the calling thread's, nanoseconds) a reader of vLLM's own
-  ``MessageQueue`` spends in ``acquire_read`` until the message is there: its wait loop spins
-  (``sched_yield`` in ``SpinCondition.wait``, between checks of the ring) for a second after
-  each read. In the engine core that is the wait for the workers' output of each step
-  (vLLM's response queues, never this project's), so it grows with how long the workers
-  compute and how much CPU the spinner gets beside them, not with what the engine core does
-  to a payload.
+* ``read_wait_cpu_ns``: CPU time (the calling thread's, nanoseconds) a reader spends waiting:
+  in vLLM's own ``MessageQueue``, ``acquire_read`` until the message is there (its wait loop
+  spins, ``sched_yield`` in ``SpinCondition.wait`` between checks of the ring, for a second
+  after each read); in this project's, the whole ``dequeue`` (its wait spins within 50 ms of
+  the last message, then sleeps; the unpickling is included). In the engine core that is the
+  wait for the workers' output of each step (the response queues), so it grows with how long
+  the workers compute and how much CPU the spinner gets beside them, not with what the engine
+  core does to a payload.
 ``enqueue``: one ``[seconds, big_bytes, new_requests]`` per call of either queue's
 ``enqueue`` (the engine core's broadcast of each step; ``new_requests``: the scheduler
 output's ``scheduled_new_reqs`` in it, each with its whole prompt), so a harness compares the
@@ -252,6 +253,17 @@ def _read_wait_cpu(orig):
     return wrapped
 
 
+def _dequeue_wait_cpu(orig):
+    def wrapped(self, *a, **kw):
+        t0 = time.thread_time_ns()
+        try:
+            return orig(self, *a, **kw)
+        finally:
+            _add("read_wait_cpu_ns", time.thread_time_ns() - t0)
+
+    return wrapped
+
+
 def _watch(what: str, sample) -> None:
     """Appends ``[time.monotonic(), what, value]`` to ``_watched`` whenever ``sample()``
     changes (``None``: nothing to sample yet); stops when it raises (the arena closed)."""
@@ -359,6 +371,7 @@ def register() -> None:
         from vllm_shm_arena.message_queue import MessageQueue as Ours
 
         _wrap(Ours, "enqueue", _enqueue_timed)
+        _wrap(Ours, "dequeue", _dequeue_wait_cpu)
         if watch:
             _start_watch("in_use", _frontend_in_use)
             _start_watch("acked", _frontend_acked)

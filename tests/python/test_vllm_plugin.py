@@ -152,14 +152,18 @@ def _fake_parallel_state() -> types.ModuleType:
     return ps
 
 
-class WorkerProc:
-    """Stands for multiproc_executor.WorkerProc (0.32.0/0.33.0)."""
+def _fake_worker_class() -> type:
+    """Stands for multiproc_executor.WorkerProc (0.32.0/0.33.0): on one node,
+    ``_init_message_queues`` builds the worker's response queue, ``MessageQueue(1, 1)``. A
+    class per fake vLLM: the plugin wraps the method on the class."""
 
-    def _init_message_queues(self, input_shm_handle, vllm_config):
-        pass
+    class WorkerProc:
+        def _init_message_queues(self, input_shm_handle, vllm_config):
+            self.worker_response_mq = sys.modules[MPE].MessageQueue(1, 1)
 
-
-WorkerProc.__module__ = MPE
+    WorkerProc.__module__ = MPE
+    WorkerProc.__qualname__ = "WorkerProc"
+    return WorkerProc
 
 
 def _fake_executor_class() -> type:
@@ -243,7 +247,7 @@ def _install_fake_vllm(monkeypatch, version: str | None = "0.33.0", native_field
     mpe = types.ModuleType(MPE)
     mpe.MessageQueue = StockMQ
     mpe.Handle = StockHandle
-    mpe.WorkerProc = WorkerProc
+    mpe.WorkerProc = _fake_worker_class()
     mpe.MultiprocExecutor = _fake_executor_class()
     vllm.config, vllm.v1, v1.executor, executor.multiproc_executor = config, v1, executor, mpe
     distributed = types.ModuleType("vllm.distributed")
@@ -840,7 +844,7 @@ def test_flag_off_builds_vllms_queue(fake_vllm):
         "connect_ip": "127.0.0.1",
         "enable_shm_tensor_arena": False,
     }
-    # vLLM's response queue, MessageQueue(1, 1), stays vLLM's too, with vLLM's defaults.
+    # A response queue, MessageQueue(1, 1), outside a flagged worker: vLLM's, its defaults.
     q = fake_vllm.MessageQueue(1, 1)
     assert type(q) is StockMQ and q.bound["max_chunk_bytes"] == 24 << 20
 
@@ -938,6 +942,70 @@ def test_the_executors_init_is_wrapped_once_and_keeps_its_signature(fake_vllm):
     assert vllm_interface._params(wrapped) == vllm_interface._params(stock)
     vllm_plugin._install_config_watch(fake_vllm)  # again: no second layer
     assert fake_vllm.MultiprocExecutor._init_executor is wrapped
+
+
+def _worker_response_queue(mpe, flag: Any) -> Any:
+    """What ``WorkerProc._init_message_queues`` builds for a worker whose parallel config has
+    ``enable_shm_tensor_arena=flag`` (``None``: a config without the field)."""
+    parallel = types.SimpleNamespace(nnodes=1, nnodes_within_dp=1)
+    if flag is not None:
+        parallel.enable_shm_tensor_arena = flag
+    worker = mpe.WorkerProc()
+    worker._init_message_queues(None, types.SimpleNamespace(parallel_config=parallel))
+    return worker.worker_response_mq
+
+
+def test_a_flagged_workers_response_queue_is_ours_without_an_arena(fake_vllm, monkeypatch):
+    """The worker's response queue, ``MessageQueue(1, 1)`` built in ``_init_message_queues``:
+    ours (vLLM's ring sizes, no tensor arena) when the worker's config has the flag;
+    ``VLLM_SHM_ARENA_RESPONSE_QUEUES=0`` keeps vLLM's. The factory learns the flag from the
+    wrapper register() puts around ``_init_message_queues``."""
+    monkeypatch.delenv("VLLM_SHM_ARENA_RESPONSE_QUEUES", raising=False)
+    vllm_plugin.register()
+    q = _worker_response_queue(fake_vllm, True)
+    assert type(q) is OurMQ
+    assert q.args == (1, 1)
+    assert q.kwargs == {"max_chunk_bytes": 24 << 20, "max_chunks": 10}  # no arena asked
+    assert vllm_plugin._WORKER_CONFIG.get() is None  # only while the worker builds its queues
+    for flag in (False, None):
+        assert type(_worker_response_queue(fake_vllm, flag)) is StockMQ
+    monkeypatch.setenv("VLLM_SHM_ARENA_RESPONSE_QUEUES", "0")
+    q = _worker_response_queue(fake_vllm, True)
+    assert type(q) is StockMQ and q.bound["max_chunk_bytes"] == 24 << 20
+
+
+def test_only_the_workers_own_response_queue_follows_its_flag(fake_vllm):
+    """Outside a worker's ``_init_message_queues``, or with any other arguments, an unflagged
+    queue stays vLLM's whatever the flag elsewhere."""
+    vllm_plugin.register()
+    assert type(fake_vllm.MessageQueue(1, 1)) is StockMQ
+    token = vllm_plugin._WORKER_CONFIG.set(types.SimpleNamespace(enable_shm_tensor_arena=True))
+    try:
+        assert type(fake_vllm.MessageQueue(1, 1)) is OurMQ
+        for args, kwargs in (
+            ((2, 2), {}),
+            ((1, 1, [0]), {}),
+            ((1, 1), {"connect_ip": "127.0.0.1"}),
+            ((1, 0), {"connect_ip": "127.0.0.1"}),
+        ):
+            assert type(fake_vllm.MessageQueue(*args, **kwargs)) is StockMQ, (args, kwargs)
+        # An option of a newer vLLM that ours does not know: vLLM's queue.
+        is_response = ShmArenaMessageQueue._is_response_queue
+        assert is_response(1, 1, None, None, (), {})
+        assert not is_response(1, 1, None, None, ("an option",), {})
+        assert not is_response(1, 1, None, None, (), {"an_option": 1})
+    finally:
+        vllm_plugin._WORKER_CONFIG.reset(token)
+
+
+def test_the_workers_queue_init_is_wrapped_once_and_keeps_its_signature(fake_vllm):
+    stock = fake_vllm.WorkerProc._init_message_queues
+    vllm_plugin.register()
+    wrapped = fake_vllm.WorkerProc._init_message_queues
+    assert wrapped is not stock and wrapped._vsa_stock is stock
+    assert vllm_interface._params(wrapped) == vllm_interface._params(stock)
+    vllm_plugin._install_worker_watch(fake_vllm)  # again: no second layer
+    assert fake_vllm.WorkerProc._init_message_queues is wrapped
 
 
 def test_register_installs_the_join_on_the_group_coordinator(fake_vllm):

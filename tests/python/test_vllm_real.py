@@ -195,6 +195,78 @@ def test_remote_readers_and_response_queues_stay_stock(patched):
         response_q.shutdown()
 
 
+def worker_main(handle: Any, seed: int, results: Any) -> None:
+    """A worker as vLLM's ``WorkerProc`` sets up its queues on one node (its real
+    ``_init_message_queues``, with the flag in its parallel config): joins the broadcast,
+    builds its response queue, hands its handle back, then answers every message with
+    ``(SUCCESS, output)``, the output carrying a 3 MiB tensor."""
+    try:
+        import types
+
+        import vllm.v1.executor.multiproc_executor as mpe
+
+        from vllm_shm_arena import vllm_plugin
+
+        vllm_plugin.register()
+        proc = types.SimpleNamespace(worker=types.SimpleNamespace(rank=0))
+        parallel = types.SimpleNamespace(nnodes_within_dp=1, enable_shm_tensor_arena=True)
+        config = types.SimpleNamespace(parallel_config=parallel)
+        mpe.WorkerProc._init_message_queues(proc, handle, config)
+        response = proc.worker_response_mq
+        kind = f"{type(response).__module__}.{type(response).__qualname__}"
+        results.put(("handle", kind, response.export_handle()))
+        proc.rpc_broadcast_mq.wait_until_ready()
+        response.wait_until_ready()
+        for i in range(N_MSG):
+            msg = proc.rpc_broadcast_mq.dequeue(timeout=TIMEOUT_S)
+            out = {"i": i, "error": check_message(msg, seed, i)}
+            out["pooled"] = torch.full((3 * MiB // 4,), float(i), dtype=torch.float32)
+            del msg
+            response.enqueue((mpe.WorkerProc.ResponseStatus.SUCCESS, out))
+        results.put(("done", kind, None))
+        proc.rpc_broadcast_mq.shutdown()
+        response.shutdown()
+    except BaseException:
+        results.put(("failed", traceback.format_exc(), None))
+
+
+def test_a_flagged_workers_response_queue_is_ours_end_to_end(patched, seed):
+    """vLLM's own ``WorkerProc._init_message_queues`` with the flag on builds our queue for
+    the worker's replies (no tensor arena); the engine side joins it through vLLM's name with
+    vLLM's call, ``create_from_handle(handle, 0)``, and gets every reply in order."""
+    import vllm_shm_arena
+
+    q = patched.MessageQueue(1, 1, connect_ip="127.0.0.1", enable_shm_tensor_arena=True)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=worker_main, args=(q.export_handle(), seed, results), daemon=True)
+    proc.start()
+    response = None
+    try:
+        what, kind, handle = results.get(timeout=TIMEOUT_S)
+        assert what == "handle", kind
+        assert kind == "vllm_shm_arena.message_queue.MessageQueue", kind
+        response = patched.MessageQueue.create_from_handle(handle, 0)
+        assert type(response) is vllm_shm_arena.MessageQueue
+        q.wait_until_ready()
+        response.wait_until_ready()
+        for i in range(N_MSG):
+            q.enqueue(make_message(seed, i))
+            status, out = response.dequeue(timeout=TIMEOUT_S)
+            assert status == patched.WorkerProc.ResponseStatus.SUCCESS
+            assert (out["i"], out["error"]) == (i, None), out
+            assert torch.equal(out["pooled"], torch.full((3 * MiB // 4,), float(i)))
+        assert results.get(timeout=TIMEOUT_S)[0] == "done"
+        assert response.arena is None
+        proc.join(timeout=60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        if response is not None:
+            response.shutdown()
+        q.shutdown()
+
+
 def _run_vllm_py(code: str, env: dict[str, str] | None = None) -> str:
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
