@@ -83,6 +83,7 @@ from serve_lib import (  # e2e/, beside this file
     ARENA_LINE,
     IMAGE_KINDS,
     MISMATCH_LINE,
+    RESPONSE_QUEUE_LINE,
     SAMPLE,
     CheckFailed,
     ImageRequest,
@@ -431,6 +432,7 @@ def run_config(args: argparse.Namespace, config: str, flag: str, plan: list[Imag
     rec["dev_shm_new_with_live_writer"] = others
     rec["private_shm_names_seen_starting"] = sorted(srv.names_seen_starting)
     rec["arena_line_in_log"] = ARENA_LINE in log
+    rec["response_queue_lines_in_log"] = sum(RESPONSE_QUEUE_LINE in ln for ln in log.splitlines())
     rec["frontend"] = frontend_report(log)
     rec["mismatch_lines_in_log"] = sum(MISMATCH_LINE in ln for ln in log.splitlines())
     rec["force_kill_lines_in_log"] = [ln[-160:] for ln in log.splitlines() if FORCE_KILL_LINE in ln]
@@ -1102,6 +1104,13 @@ def checks_for(rec: dict[str, Any], min_bytes: int) -> list[tuple[str, bool, str
     m = rec.get("metrics_final", {})
     if arena_on:
         out.append(("plugin active (engine log names the C++ arena)", rec["arena_line_in_log"], ""))
+        out.append(
+            (
+                "each worker's response queue is ours (one log line per worker)",
+                rec["response_queue_lines_in_log"] == SERVE_TP,
+                f"{rec['response_queue_lines_in_log']} lines, {SERVE_TP} workers",
+            )
+        )
         seen = rec["private_shm_names_seen_starting"]
         out.append(
             (
@@ -1169,9 +1178,12 @@ def checks_for(rec: dict[str, Any], min_bytes: int) -> list[tuple[str, bool, str
         hits, _ = _arena_totals(m)
         out.append(
             (
-                "flag off: no arena line, no arena hit (stock vLLM queue)",
-                not rec["arena_line_in_log"] and hits == 0,
-                f"arena line {rec['arena_line_in_log']}, hits {hits}",
+                "flag off: no arena line, no arena hit, no response queue of ours (stock vLLM)",
+                not rec["arena_line_in_log"]
+                and hits == 0
+                and not rec["response_queue_lines_in_log"],
+                f"arena line {rec['arena_line_in_log']}, hits {hits}, response queue lines "
+                f"{rec['response_queue_lines_in_log']}",
             )
         )
     return out

@@ -35,6 +35,8 @@ SERVED_NAME = "tiny-qwen2vl"
 
 
 ARENA_LINE = "uses the C++ shm tensor arena"
+#: Each worker's line when its response queue is ours (vllm_plugin.py).
+RESPONSE_QUEUE_LINE = "response queue is this package's ring"
 
 
 MISMATCH_LINE = "changed between write and release"

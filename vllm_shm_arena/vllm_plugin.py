@@ -181,12 +181,14 @@ class ShmArenaMessageQueue(metaclass=_FactoryMeta):
             # too, without a tensor arena (a step's output is small), so the engine core waits
             # for the workers on our ring (spin while messages flow, then sleep on a futex)
             # rather than in vLLM's reader, which spins for a second after every message.
-            return ours(
-                n_reader,
-                n_local_reader,
-                max_chunk_bytes=max_chunk_bytes,
-                max_chunks=max_chunks,
+            mq = ours(
+                n_reader, n_local_reader, max_chunk_bytes=max_chunk_bytes, max_chunks=max_chunks
             )
+            logger.info(
+                "vllm_shm_arena: this worker's response queue is this package's ring (no tensor "
+                "arena; VLLM_SHM_ARENA_RESPONSE_QUEUES=0 keeps vLLM's)"
+            )
+            return mq
         elif enable_shm_tensor_arena:
             logger.warning(
                 "vllm_shm_arena: --enable-shm-tensor-arena is set but %d of %d readers of "

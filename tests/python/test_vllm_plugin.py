@@ -955,15 +955,18 @@ def _worker_response_queue(mpe, flag: Any) -> Any:
     return worker.worker_response_mq
 
 
-def test_a_flagged_workers_response_queue_is_ours_without_an_arena(fake_vllm, monkeypatch):
+def test_a_flagged_workers_response_queue_is_ours_without_an_arena(fake_vllm, monkeypatch, caplog):
     """The worker's response queue, ``MessageQueue(1, 1)`` built in ``_init_message_queues``:
     ours (vLLM's ring sizes, no tensor arena) when the worker's config has the flag;
     ``VLLM_SHM_ARENA_RESPONSE_QUEUES=0`` keeps vLLM's. The factory learns the flag from the
     wrapper register() puts around ``_init_message_queues``."""
     monkeypatch.delenv("VLLM_SHM_ARENA_RESPONSE_QUEUES", raising=False)
+    caplog.set_level(logging.INFO, logger="vllm")
     vllm_plugin.register()
     q = _worker_response_queue(fake_vllm, True)
     assert type(q) is OurMQ
+    lines = [r.getMessage() for r in _plugin_records(caplog)]
+    assert sum("response queue is this package's ring" in m for m in lines) == 1, lines
     assert q.args == (1, 1)
     assert q.kwargs == {"max_chunk_bytes": 24 << 20, "max_chunks": 10}  # no arena asked
     assert vllm_plugin._WORKER_CONFIG.get() is None  # only while the worker builds its queues
