@@ -586,9 +586,12 @@ class WriterEnd(End):
                     self.publish_local(frames, sending.fits, sending)
                 elif ring is not None and sending.ring.get("status") != "ok":
                     self.finish_overflow(frames, sending)  # an overflow marker was published
-            except BaseException:
-                self.break_off("an enqueue was interrupted after its message was announced")
+            except Exception:
+                self.break_off("an enqueue failed after its message was announced")
                 raise
+            # An asynchronous exception (a second KeyboardInterrupt) propagates with the
+            # message still pending: each step above is done once whoever calls, so the next
+            # call under the lock (finish_pending, or close) finishes what readers are owed.
             self._mark_sent(sending)
         if exc is not None:
             note_sent(exc)

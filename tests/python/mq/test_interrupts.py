@@ -376,6 +376,66 @@ def test_a_second_interrupt_inside_settle_still_says_sent_and_the_next_send_coun
         _close(w, r)
 
 
+def test_a_second_interrupt_while_settle_finishes_an_overflow_leaves_it_for_the_next_call():
+    """The ring announced an overflow marker, then an interruption, then a second one while
+    settle sends the message over the local socket. Before: the queue broke itself off (every
+    later send raised "MessageQueue is broken"; seen under real SIGINTs). Now the message
+    stays pending, the caller is told it was sent, and the next call finishes it first."""
+    w, r = _queue("local")
+    end = w._end
+    real = end.finish_overflow
+    calls = []
+
+    def interrupted(frames, sending):
+        calls.append(sending)
+        if len(calls) <= 2:
+            raise Interrupt(f"injected at call {len(calls)}")
+        return real(frames, sending)
+
+    try:
+        end.finish_overflow = interrupted
+        with pytest.raises(Interrupt) as ei:
+            w.enqueue(_message(0, "socket"), timeout=10)
+        assert len(calls) == 2  # in the send, then in settle
+        assert "was sent" in "".join(getattr(ei.value, "__notes__", []))
+        assert not end.broken
+        w.enqueue(_message(1, "socket"), timeout=10)  # settles message 0 first, then goes
+        del end.finish_overflow
+        for i in range(2):
+            _check(r.dequeue(timeout=10), i, "socket")
+        with pytest.raises(TimeoutError):  # nothing twice
+            r.dequeue(timeout=0.2)
+        assert w.stats()["messages"] == 2
+    finally:
+        ei = None
+        _close(w, r)
+
+
+def test_an_error_while_settle_finishes_an_overflow_still_breaks_the_queue_off():
+    """A real failure (not an interruption) in that step cannot be retried into order: the
+    queue breaks off with a clear error, as before."""
+    w, r = _queue("local")
+    end = w._end
+    calls = []
+
+    def failing(frames, sending):
+        calls.append(sending)
+        if len(calls) == 1:
+            raise Interrupt("injected")
+        raise OSError("the local socket failed")
+
+    try:
+        end.finish_overflow = failing
+        with pytest.raises(OSError):
+            w.enqueue(_message(0, "socket"), timeout=10)
+        assert end.broken
+        with pytest.raises(RuntimeError, match="broken"):
+            w.enqueue(_message(1, "ring"), timeout=10)
+    finally:
+        del end.finish_overflow
+        _close(w, r)
+
+
 # ------------------------------------------------------------------ real signals
 class Armed:
     """A SIGINT handler raising ``Interrupt`` while armed when it runs inside a queue call (a
@@ -385,6 +445,10 @@ class Armed:
 
     def __init__(self) -> None:
         self.armed = False
+        #: Set on exit, under ``_lock``: no signal is sent after it (one sent then would meet
+        #: the previous handler, a KeyboardInterrupt that hides why the test ended).
+        self.stopped = False
+        self._lock = threading.Lock()
         self.raised = 0
         #: Signals sent (by one firing thread at a time) and handled (in the main thread).
         self.fired = 0
@@ -404,10 +468,11 @@ class Armed:
         """Sends SIGINT to the main thread, unless the last one sent has not reached its
         handler yet (signals of one kind merge while pending, and CPython calls the handler
         once for several deliveries: a count of them would be wrong)."""
-        if self.handled < self.fired:
-            return
-        self.fired += 1
-        signal.pthread_kill(self.main, signal.SIGINT)
+        with self._lock:
+            if self.stopped or self.handled < self.fired:
+                return
+            self.fired += 1
+            signal.pthread_kill(self.main, signal.SIGINT)
 
     def fire_inside(self, q) -> threading.Thread:
         """Fires once, from another thread, when the main thread is inside one of queue end
@@ -428,7 +493,9 @@ class Armed:
 
     def __exit__(self, *exc) -> None:
         self.armed = False
-        # Every signal sent (the firing threads have stopped) lands now, disarmed.
+        with self._lock:
+            self.stopped = True
+        # Every signal sent lands now, disarmed; none is sent after this.
         wait_until(lambda: self.handled >= self.fired, 10, "the signals sent to land")
         signal.signal(signal.SIGINT, self._prev)
 
@@ -460,17 +527,19 @@ def test_real_sigints_while_dequeue_waits_and_works_lose_nothing(kind, seed):
 
             t = threading.Thread(target=send, daemon=True)
             t.start()
-            while len(got) < n:
-                try:
-                    m = r.dequeue(timeout=30)
-                except Interrupt:
-                    interrupts += 1
-                    assert not lock.locked()
-                    continue
-                got.append(m["i"])
-                _check(m, m["i"], plan[m["i"]][0])
-                del m
-            t.join(30)
+            try:
+                while len(got) < n:
+                    try:
+                        m = r.dequeue(timeout=30)
+                    except Interrupt:
+                        interrupts += 1
+                        assert not lock.locked()
+                        continue
+                    got.append(m["i"])
+                    _check(m, m["i"], plan[m["i"]][0])
+                    del m
+            finally:
+                t.join(30)
         print(f"\n{kind}: {interrupts} SIGINTs while dequeuing {n} messages")
         assert got == list(range(n))
         assert interrupts >= 3  # the signals landed inside calls (how many is luck)
@@ -501,18 +570,20 @@ def test_real_sigints_while_enqueue_works_send_once_or_not_at_all(kind, seed):
 
             firer = threading.Thread(target=fire, daemon=True)
             firer.start()
-            for i in range(n):
-                msg = _message(i, rng.choice(shapes))
-                while True:
-                    try:
-                        w.enqueue(msg, timeout=30)
-                        break
-                    except Interrupt as e:
-                        interrupts += 1
-                        if "was sent" in "".join(getattr(e, "__notes__", [])):
+            try:
+                for i in range(n):
+                    msg = _message(i, rng.choice(shapes))
+                    while True:
+                        try:
+                            w.enqueue(msg, timeout=30)
                             break
-            done.set()
-            firer.join(5)
+                        except Interrupt as e:
+                            interrupts += 1
+                            if "was sent" in "".join(getattr(e, "__notes__", [])):
+                                break
+            finally:
+                done.set()
+                firer.join(5)
         reader.join(60)
         print(f"\n{kind}: {interrupts} SIGINTs while enqueuing {n} messages")
         assert not errors, errors
