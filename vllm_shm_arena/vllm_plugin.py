@@ -177,8 +177,8 @@ class ShmArenaMessageQueue(metaclass=_FactoryMeta):
         elif not enable_shm_tensor_arena and cls._is_response_queue(
             n_reader, n_local_reader, local_reader_ranks, connect_ip, args, kwargs
         ):
-            # The worker's response queue of an executor whose broadcast queue is ours: ours
-            # too, without a tensor arena (a step's output is small), so the engine core waits
+            # A flagged worker's response queue: ours, without a tensor arena (a step's output
+            # is small; the engine side joins by the handle's type), so the engine core waits
             # for the workers on our ring (spin while messages flow, then sleep on a futex)
             # rather than in vLLM's reader, which spins for a second after every message.
             mq = ours(
