@@ -295,47 +295,51 @@ class ShmArenaMessageQueue(metaclass=_FactoryMeta):
         return cls._stock_cls, cls._ours_cls
 
 
-def _install_config_watch(mpe: ModuleType) -> None:
-    """Wraps ``MultiprocExecutor._init_executor`` (a class attribute: every executor), where the
-    executor builds its broadcast queue: while it runs, ``_EXECUTOR_CONFIG`` holds the
-    executor's ``parallel_config``, which the factory reads (the queue's arguments do not say
-    how nodes split into data-parallel replicas)."""
-    executor = mpe.MultiprocExecutor
-    stock = executor._init_executor
+def _watch_config(cls: type, name: str, var: contextvars.ContextVar, config_of) -> None:
+    """Wraps method ``name`` of ``cls`` (a class attribute: every instance) so that while it
+    runs ``var`` holds ``config_of(self, *args, **kwargs)``, the parallel config the factory
+    reads. Once: a second call finds the wrapper (``_vsa_stock``) and leaves it."""
+    stock = getattr(cls, name)
     if getattr(stock, "_vsa_stock", None) is not None:
         return
 
-    def _init_executor(self, *args, **kwargs):
-        token = _EXECUTOR_CONFIG.set(getattr(self, "parallel_config", None))
+    def wrapper(self, *args, **kwargs):
+        token = var.set(config_of(self, *args, **kwargs))
         try:
             return stock(self, *args, **kwargs)
         finally:
-            _EXECUTOR_CONFIG.reset(token)
+            var.reset(token)
 
-    _init_executor._vsa_stock = stock
-    _init_executor.__wrapped__ = stock  # inspect.signature reads vLLM's
-    executor._init_executor = _init_executor
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper._vsa_stock = stock
+    wrapper.__wrapped__ = stock  # inspect.signature reads vLLM's
+    setattr(cls, name, wrapper)
+
+
+def _install_config_watch(mpe: ModuleType) -> None:
+    """``MultiprocExecutor._init_executor``, where the executor builds its broadcast queue:
+    ``_EXECUTOR_CONFIG`` holds the executor's ``parallel_config`` (the queue's arguments do
+    not say how nodes split into data-parallel replicas)."""
+    _watch_config(
+        mpe.MultiprocExecutor,
+        "_init_executor",
+        _EXECUTOR_CONFIG,
+        lambda self, *args, **kwargs: getattr(self, "parallel_config", None),
+    )
 
 
 def _install_worker_watch(mpe: ModuleType) -> None:
-    """Wraps ``WorkerProc._init_message_queues`` (where a worker builds its response queue):
-    while it runs, ``_WORKER_CONFIG`` holds the worker's ``parallel_config``, which the
-    factory reads (the response queue's arguments do not carry the flag)."""
-    proc = mpe.WorkerProc
-    stock = proc._init_message_queues
-    if getattr(stock, "_vsa_stock", None) is not None:
-        return
-
-    def _init_message_queues(self, input_shm_handle, vllm_config):
-        token = _WORKER_CONFIG.set(getattr(vllm_config, "parallel_config", None))
-        try:
-            return stock(self, input_shm_handle, vllm_config)
-        finally:
-            _WORKER_CONFIG.reset(token)
-
-    _init_message_queues._vsa_stock = stock
-    _init_message_queues.__wrapped__ = stock  # inspect.signature reads vLLM's
-    proc._init_message_queues = _init_message_queues
+    """``WorkerProc._init_message_queues(input_shm_handle, vllm_config)``, where a worker
+    builds its response queue: ``_WORKER_CONFIG`` holds the worker's ``parallel_config`` (the
+    response queue's arguments do not carry the flag)."""
+    _watch_config(
+        mpe.WorkerProc,
+        "_init_message_queues",
+        _WORKER_CONFIG,
+        lambda self, handle=None, vllm_config=None, *args, **kwargs: getattr(
+            vllm_config, "parallel_config", None
+        ),
+    )
 
 
 def _install_join(ps: ModuleType, mpe: ModuleType, mq_module: ModuleType) -> None:

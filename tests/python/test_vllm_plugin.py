@@ -934,16 +934,6 @@ def test_data_parallelism_across_nodes_builds_stock(fake_vllm, caplog, nnodes, w
     assert vllm_plugin._EXECUTOR_CONFIG.get() is None  # only while the executor builds it
 
 
-def test_the_executors_init_is_wrapped_once_and_keeps_its_signature(fake_vllm):
-    stock = fake_vllm.MultiprocExecutor._init_executor
-    vllm_plugin.register()
-    wrapped = fake_vllm.MultiprocExecutor._init_executor
-    assert wrapped is not stock and wrapped._vsa_stock is stock
-    assert vllm_interface._params(wrapped) == vllm_interface._params(stock)
-    vllm_plugin._install_config_watch(fake_vllm)  # again: no second layer
-    assert fake_vllm.MultiprocExecutor._init_executor is wrapped
-
-
 def _worker_response_queue(mpe, flag: Any) -> Any:
     """What ``WorkerProc._init_message_queues`` builds for a worker whose parallel config has
     ``enable_shm_tensor_arena=flag`` (``None``: a config without the field)."""
@@ -1001,14 +991,23 @@ def test_only_the_workers_own_response_queue_follows_its_flag(fake_vllm):
         vllm_plugin._WORKER_CONFIG.reset(token)
 
 
-def test_the_workers_queue_init_is_wrapped_once_and_keeps_its_signature(fake_vllm):
-    stock = fake_vllm.WorkerProc._init_message_queues
+@pytest.mark.parametrize(
+    "cls, name, install",
+    [
+        ("MultiprocExecutor", "_init_executor", "_install_config_watch"),
+        ("WorkerProc", "_init_message_queues", "_install_worker_watch"),
+    ],
+)
+def test_the_methods_that_learn_the_config_are_wrapped_once_keeping_signatures(
+    fake_vllm, cls, name, install
+):
+    stock = getattr(getattr(fake_vllm, cls), name)
     vllm_plugin.register()
-    wrapped = fake_vllm.WorkerProc._init_message_queues
+    wrapped = getattr(getattr(fake_vllm, cls), name)
     assert wrapped is not stock and wrapped._vsa_stock is stock
     assert vllm_interface._params(wrapped) == vllm_interface._params(stock)
-    vllm_plugin._install_worker_watch(fake_vllm)  # again: no second layer
-    assert fake_vllm.WorkerProc._init_message_queues is wrapped
+    getattr(vllm_plugin, install)(fake_vllm)  # again: no second layer
+    assert getattr(getattr(fake_vllm, cls), name) is wrapped
 
 
 def test_register_installs_the_join_on_the_group_coordinator(fake_vllm):
