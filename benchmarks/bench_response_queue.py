@@ -88,27 +88,13 @@ def worker_main(handle, rank: int, conn, kind: str, work_s: float) -> None:
 
 def run_cell(kind: str, tp: int, work_ms: float, steps: int, warmup: int, seed: int) -> dict:
     """One cell: ``warmup`` + ``steps`` steps; per measured step its time and engine CPU."""
-    import multiprocessing as mp
-
     bcast = MessageQueue(tp, tp, enable_shm_tensor_arena=True)
-    ctx = mp.get_context("fork")
-    conns, procs = [], []
-    for rank in range(tp):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(
-            target=worker_main,
-            args=(bcast.export_handle(), rank, child, kind, work_ms / 1e3),
-            daemon=True,
-        )
-        p.start()
-        conns.append(parent)
-        procs.append(p)
-    # vLLM's executor joins every worker's response queue and waits until each is ready; a
-    # step with a unique reply rank reads rank 0's.
+    # The broadcast is ready once this returns; then, as vLLM's executor does, every worker's
+    # response queue is joined and waited for (a step with a unique reply rank reads rank 0's).
+    conns, procs = ab.start_readers(bcast, tp, worker_main, kind, work_ms / 1e3)
     cls = MessageQueue if kind == "ours" else _vllm_mq()
     resps = [cls.create_from_handle(c.recv(), 0) for c in conns]
     resp = resps[0]
-    bcast.wait_until_ready()
     for r in resps:
         r.wait_until_ready()
     from bench_vs_vllm import scheduler_step
@@ -127,11 +113,7 @@ def run_cell(kind: str, tp: int, work_ms: float, steps: int, warmup: int, seed: 
             if i >= warmup:
                 wall.append(t1 - t0)
                 cpu.append(c1 - c0)
-        bcast.enqueue(None)
-        for c in conns:
-            c.recv()
-        for p in procs:
-            p.join(timeout=30)
+        ab.stop_readers(bcast, conns, procs)  # None ends each worker, which says "done"
     finally:
         for p in procs:
             if p.is_alive():

@@ -432,11 +432,12 @@ def run_config(args: argparse.Namespace, config: str, flag: str, plan: list[Imag
     rec["dev_shm_new_with_live_writer"] = others
     rec["private_shm_names_seen_starting"] = sorted(srv.names_seen_starting)
     rec["arena_line_in_log"] = ARENA_LINE in log
-    rec["response_queue_lines_in_log"] = sum(RESPONSE_QUEUE_LINE in ln for ln in log.splitlines())
+    lines = log.splitlines()
+    rec["response_queue_lines_in_log"] = sum(RESPONSE_QUEUE_LINE in ln for ln in lines)
     rec["frontend"] = frontend_report(log)
-    rec["mismatch_lines_in_log"] = sum(MISMATCH_LINE in ln for ln in log.splitlines())
-    rec["force_kill_lines_in_log"] = [ln[-160:] for ln in log.splitlines() if FORCE_KILL_LINE in ln]
-    rec["grace_sigterm_lines_in_log"] = sum(GRACE_SIGTERM_LINE in ln for ln in log.splitlines())
+    rec["mismatch_lines_in_log"] = sum(MISMATCH_LINE in ln for ln in lines)
+    rec["force_kill_lines_in_log"] = [ln[-160:] for ln in lines if FORCE_KILL_LINE in ln]
+    rec["grace_sigterm_lines_in_log"] = sum(GRACE_SIGTERM_LINE in ln for ln in lines)
     srv.cleanup_dirs()
     return rec
 

@@ -325,24 +325,27 @@ def _note_loaned(request_id: str | None) -> None:
             del _loaned_ids[next(iter(_loaned_ids))]
 
 
-def _collect_after_abort(request_ids: Any, delay: float = ABORT_COLLECT_DELAY_S) -> None:
-    """When an aborted request (``request_ids``: the ABORT message's list, or None for a
-    rescheduled call) was sent stubs, schedules ``FrontendWriter.collect_garbage`` on the
-    running event loop (the API server's) ``delay`` seconds from now, once however many
-    aborts come meanwhile, again later when it had to wait for ``frontend.COLLECT_EVERY_S``.
-    Nothing without this process's writer or outside an event loop (an offline ``LLM`` has no
-    cancelled coroutine to hold its prompt)."""
+def _collect_after_abort(request_ids: Any) -> None:
+    """When a request the ABORT message names (``request_ids``: its list, or one id) was sent
+    stubs, a garbage collection ``ABORT_COLLECT_DELAY_S`` from now (``_schedule_collection``)."""
+    ids = [request_ids] if isinstance(request_ids, str) else request_ids
+    hit = False
+    with _ids_lock:
+        for i in ids or ():
+            if i in _loaned_ids:
+                del _loaned_ids[i]
+                hit = True
+    if hit:
+        _schedule_collection(ABORT_COLLECT_DELAY_S)
+
+
+def _schedule_collection(delay: float) -> None:
+    """Schedules ``FrontendWriter.collect_garbage`` on the running event loop (the API
+    server's) ``delay`` seconds from now, once however many aborts come meanwhile, again later
+    when it had to wait for ``frontend.COLLECT_EVERY_S``. Nothing without this process's
+    writer or outside an event loop (an offline ``LLM`` has no cancelled coroutine to hold its
+    prompt)."""
     global _collect_scheduled
-    if request_ids is not None:
-        ids = [request_ids] if isinstance(request_ids, str) else request_ids
-        hit = False
-        with _ids_lock:
-            for i in ids or ():
-                if i in _loaned_ids:
-                    del _loaned_ids[i]
-                    hit = True
-        if not hit:
-            return
     writer = _own_writer()
     if writer is None or _collect_scheduled:
         return
@@ -359,7 +362,7 @@ def _collect_after_abort(request_ids: Any, delay: float = ABORT_COLLECT_DELAY_S)
         except Exception:  # noqa: BLE001  (closed at exit: an abort never fails)
             return
         if wait > 0:
-            _collect_after_abort(None, wait)
+            _schedule_collection(wait)
 
     _collect_scheduled = True
     loop.call_later(delay, collect)
