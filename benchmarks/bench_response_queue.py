@@ -8,7 +8,8 @@ busy for the step's work (a loop on the clock, as a CPU forward does); worker 0 
 response queue with ``(status, output)``, the output shaped like a ``ModelRunnerOutput`` (a
 sampled token per request, small lists); the engine waits for that reply, as vLLM's
 ``collective_rpc`` does with a unique reply rank. The response queues are ``ours``
-(``vllm_shm_arena.MessageQueue(1, 1)``, what the plugin builds with the flag on) or ``vllm``
+(``vllm_shm_arena.MessageQueue(1, 1, readers_cede_cpu=True)``, what the plugin builds with the
+flag on) or ``vllm``
 (``shm_broadcast.MessageQueue(1, 1)``, vLLM's), built by each worker and joined by the engine
 with ``create_from_handle(handle, 0)``.
 
@@ -68,7 +69,7 @@ def worker_main(handle, rank: int, conn, kind: str, work_s: float) -> None:
     """Joins the broadcast, builds its response queue (the kind asked), sends its handle
     back, then per message computes for ``work_s`` and (rank 0) replies."""
     bcast = MessageQueue.create_from_handle(handle, rank)
-    resp = MessageQueue(1, 1) if kind == "ours" else _vllm_mq()(1, 1)
+    resp = MessageQueue(1, 1, readers_cede_cpu=True) if kind == "ours" else _vllm_mq()(1, 1)
     conn.send(resp.export_handle())
     bcast.wait_until_ready()
     resp.wait_until_ready()
@@ -215,7 +216,10 @@ def main(argv=None) -> int:
         "",
         "vLLM's reader spins (`sched_yield` between checks) for a second after each message; "
         "ours spins (pause with a CPU to spare, else `sched_yield`) within 50 ms of its last "
-        "message, then sleeps on a futex until the writer wakes it.",
+        "message, then sleeps on a futex until the writer wakes it; it stops spinning sooner "
+        "once a `sched_yield` comes back late (`readers_cede_cpu`, as the plugin builds it: "
+        "200 us, another thread computed on its CPU meanwhile, as the workers do on 2 CPUs "
+        "at TP=2).",
     ]
     with open(os.path.join(args.out, "response_queue.md"), "w") as f:
         f.write("\n".join(md) + "\n")

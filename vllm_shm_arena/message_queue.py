@@ -57,10 +57,15 @@ class MessageQueue:
         *,
         enable_shm_tensor_arena: bool = False,
         remote_reader_ranks: list[int] | None = None,
+        readers_cede_cpu: bool = False,
     ):
         """The writer. Every argument is checked before anything (ring, socket, arena) is
         created. ``remote_reader_ranks``: the ranks the TCP subscribers must declare (default:
-        ``range(n_reader)`` without ``local_reader_ranks``, when that is the right count)."""
+        ``range(n_reader)`` without ``local_reader_ranks``, when that is the right count).
+        ``readers_cede_cpu``: a local reader waiting for a message stops spinning as soon as
+        another thread computes on its CPU and sleeps until this writer wakes it; for a queue
+        whose writer waits once it has written (a worker's replies), since the woken reader
+        tends to take its waker's CPU."""
         args = (n_reader, n_local_reader, local_reader_ranks, max_chunk_bytes, max_chunks)
         ranks, connect_ip, roster = WriterEnd.check_args(
             *args, connect_ip, enable_shm_tensor_arena, remote_reader_ranks
@@ -76,6 +81,7 @@ class MessageQueue:
             roster,
         )
         self._end = end
+        end.handle.readers_cede_cpu = bool(readers_cede_cpu)
         self.handle = end.handle
         self.n_reader = n_reader
         self.n_local_reader = n_local_reader

@@ -55,9 +55,9 @@ reads as "no plugin".
 * ``VLLM_SHM_ARENA_RESPONSE_QUEUES``: with the plugin active and --enable-shm-tensor-arena, each
   worker's response queue (its step outputs to the engine core) is this package's queue too,
   without a tensor arena: the engine core waits for the workers on our ring, spinning only while
-  messages flow (50 ms), then asleep, where vLLM's reader spins a second after every message.
-  Default: ``1``. Valid: ``0`` turns it off; any other value leaves it on. Read when a worker
-  builds its response queue (vllm_plugin.py).
+  messages flow (50 ms) and no other thread computes on its CPU, then asleep, where vLLM's
+  reader spins a second after every message. Default: ``1``. Valid: ``0`` turns it off; any
+  other value leaves it on. Read when a worker builds its response queue (vllm_plugin.py).
 * ``VLLM_SHM_ARENA_FRONTEND_HANDLE``: the frontend arena's handle (JSON), which vLLM's API
   server sets for the engine core it starts. Default: unset. Valid: set by the package, never by
   hand (checked field by field where read). Read when the engine core is built, before its
@@ -313,7 +313,8 @@ VARIABLES: tuple[Variable, ...] = (
         "with the plugin active and --enable-shm-tensor-arena, each worker's response queue "
         "(its step outputs to the engine core) is this package's queue too, without a tensor "
         "arena: the engine core waits for the workers on our ring, spinning only while messages "
-        "flow (50 ms), then asleep, where vLLM's reader spins a second after every message",
+        "flow (50 ms) and no other thread computes on its CPU, then asleep, where vLLM's reader "
+        "spins a second after every message",
         "when a worker builds its response queue (vllm_plugin.py)",
         lambda raw: raw != "0",
         unset=True,

@@ -181,8 +181,14 @@ class ShmArenaMessageQueue(metaclass=_FactoryMeta):
             # is small; the engine side joins by the handle's type), so the engine core waits
             # for the workers on our ring (spin while messages flow, then sleep on a futex)
             # rather than in vLLM's reader, which spins for a second after every message.
+            # Its reader (the engine core) cedes its CPU: while the workers compute a step
+            # on CPUs it shares with them, it sleeps rather than take its share of theirs.
             mq = ours(
-                n_reader, n_local_reader, max_chunk_bytes=max_chunk_bytes, max_chunks=max_chunks
+                n_reader,
+                n_local_reader,
+                max_chunk_bytes=max_chunk_bytes,
+                max_chunks=max_chunks,
+                readers_cede_cpu=True,
             )
             logger.info(
                 "vllm_shm_arena: this worker's response queue is this package's ring (no tensor "

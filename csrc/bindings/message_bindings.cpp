@@ -193,8 +193,9 @@ class PyMessageRingWriter {
 /// a message may be kept for as long as the caller likes.
 class PyMessageRingReader {
  public:
-  PyMessageRingReader(const std::string& name, uint32_t rank, const std::string& dir)
+  PyMessageRingReader(const std::string& name, uint32_t rank, const std::string& dir, bool cede_cpu)
       : core_(MessageRingReader::attach(name, rank, dir.empty() ? ShmRegion::default_dir() : dir)) {
+    core_->set_cede_cpu(cede_cpu);
   }
 
   /// Waits up to `timeout_s` (< 0: forever) for the next message ->
@@ -225,12 +226,14 @@ class PyMessageRingReader {
 
   uint32_t rank() const { return core_->rank(); }
   uint64_t consumed() const { return core_->consumed(); }
+  bool cede_cpu() const { return core_->cede_cpu(); }
   py::dict wait_stats() const {
     const RingWaitStats& w = core_->wait_stats();
     py::dict d;
     d["ready"] = w.ready;
     d["spun"] = w.spun;
     d["slept"] = w.slept;
+    d["ceded"] = w.ceded;
     d["spin_s"] = static_cast<double>(w.spin_ns) * 1e-9;
     return d;
   }
@@ -358,15 +361,17 @@ void bind_messages(py::module_& m) {
   m.attr("RING_FLAG_BLOB") = kRingFlagBlob;
 
   py::class_<PyMessageRingReader, std::shared_ptr<PyMessageRingReader>>(m, "MessageRingReader")
-      // Attaches reader `rank` of ring `name`.
-      .def(py::init<const std::string&, uint32_t, const std::string&>(), py::arg("name"),
-           py::arg("rank"), py::arg("dir") = "")
+      // Attaches reader `rank` of ring `name`; cede_cpu: RingReader::set_cede_cpu.
+      .def(py::init<const std::string&, uint32_t, const std::string&, bool>(), py::arg("name"),
+           py::arg("rank"), py::arg("dir") = "", py::arg("cede_cpu") = false)
       // Next message -> (status, flags, frames as bytearrays), chunk released at once.
       .def("read", &PyMessageRingReader::read, py::arg("timeout_s"))
       // Next message appended to sink as {"seq", "flags", "frames"} -> status ("ok", ...).
       .def("read_into", &PyMessageRingReader::read_into, py::arg("timeout_s"), py::arg("sink"))
       .def("consumed", &PyMessageRingReader::consumed)
-      // How its waits ended: {"ready", "spun", "slept", "spin_s"} (ring.h, RingWaitStats).
+      .def_property_readonly("cede_cpu", &PyMessageRingReader::cede_cpu)
+      // How its waits ended: {"ready", "spun", "slept", "ceded", "spin_s"} (ring.h,
+      // RingWaitStats).
       .def("wait_stats", &PyMessageRingReader::wait_stats)
       // "alive" | "dead" | "unknown": the ring writer's liveness token.
       .def("writer_liveness", &PyMessageRingReader::writer_liveness)

@@ -168,6 +168,9 @@ class MessageRingReader {
   /// Messages released so far.
   uint64_t consumed() const { return reader_->consumed(); }
   const RingWaitStats& wait_stats() const { return reader_->wait_stats(); }
+  /// RingReader::set_cede_cpu.
+  void set_cede_cpu(bool cede) { reader_->set_cede_cpu(cede); }
+  bool cede_cpu() const { return reader_->cede_cpu(); }
   const RingConfig& config() const { return reader_->config(); }
   /// Whether the ring's writer is alive: kDead only once a writer attached and its token is
   /// free.

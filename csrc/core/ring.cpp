@@ -103,6 +103,11 @@ using Clock = std::chrono::steady_clock;
 constexpr int64_t kLivenessCheckNs = 50 * 1000 * 1000;  // Writer checks lagging readers this often.
 // A reader spins only this long after its last message (see RingReader in ring.h).
 constexpr int64_t kBusyWindowNs = 50 * 1000 * 1000;
+// A sched_yield that returns this late handed the CPU to a thread with work to do (one that
+// only spins yields straight back, within microseconds; one that computes keeps the CPU for a
+// scheduler slice, most of a millisecond or more): the CPU is wanted, so a reader that cedes
+// (RingReader::set_cede_cpu) sleeps.
+constexpr int64_t kCededYieldNs = 200 * 1000;
 constexpr int64_t kWriterCheckNs = 100 * 1000 * 1000;  // A waiting reader probes the writer.
 constexpr int64_t kMaxFiniteTimeoutNs = int64_t{1} << 60;
 
@@ -590,12 +595,22 @@ RingReader::Status RingReader::acquire(int64_t timeout_ns, const uint8_t** data,
           cpu_relax();
         } else {
           sched_yield();  // the CPU goes to whoever needs it (the writer, a busy reader)
+          // Only a spinning neighbour gave it back at once: a late return means a thread
+          // computed on this CPU meanwhile, and spinning on would take CPU time from it (the
+          // scheduler shares a CPU between runnable threads, yielding or not).
+          const int64_t after = now_ns();
+          const bool ceded = cede_cpu_ && after - now >= kCededYieldNs;
+          now = after;
+          if (ceded) {
+            ++wait_stats_.ceded;
+            break;
+          }
         }
         if (i % 64 == 0) {
           // SYNC POINT: relaxed; only ends the spin early, the loop below re-reads it with
           // acquire before acting on it.
           if (header_->shutdown.load(std::memory_order_relaxed) != 0) break;
-          now = now_ns();
+          if (spin_pause_) now = now_ns();
         }
       }
       wait_stats_.spin_ns += static_cast<uint64_t>(now_ns() - start);

@@ -165,6 +165,7 @@ struct RingWaitStats {
   uint64_t spun = 0;     ///< it came while the reader spun (pause, then sched_yield)
   uint64_t slept = 0;    ///< the reader slept on the futex at least once
   uint64_t spin_ns = 0;  ///< time spent spinning, all waits
+  uint64_t ceded = 0;    ///< spins cut short: a sched_yield found another thread computing
 };
 
 /// One reader rank of a ring. Not thread-safe: one thread drives it.
@@ -176,6 +177,15 @@ struct RingWaitStats {
 /// readers + 1, the CPUs this process may use), else with sched_yield, which hands the CPU
 /// to the writer or a busy reader whenever one is runnable (measured on 2 CPUs: TP=2 and 4
 /// deliver a tensor-free message sooner than sleeping readers, benchmarks/bench_vs_vllm.py).
+/// A reader that cedes its CPU (set_cede_cpu) also ends the spin and sleeps once a
+/// sched_yield returns late (kCededYieldNs, 200 us: another thread computed on this CPU
+/// meanwhile): the scheduler gives a spinner its share of a CPU whether it yields or not, so
+/// spinning beside a computing thread (an engine core waiting out its workers' step on the
+/// workers' CPUs) takes that share from the computation. Not the default: a sleeping reader
+/// must be woken, and a woken thread tends to take its waker's CPU, so the writer pays for it
+/// (measured: a broadcast writer's enqueue on a step that starts an image's encoder, on 2
+/// CPUs, from 0.3 ms to about 1 ms); right for a queue whose writer waits once it has written
+/// (a worker's replies to the engine core).
 class RingReader {
  public:
   enum class Status { kOk, kTimeout, kShutdown, kWriterDead };
@@ -207,6 +217,10 @@ class RingReader {
   /// Whether the writer is alive: kDead only once a writer attached and its token is free.
   Liveness writer_liveness() const;
   const RingWaitStats& wait_stats() const { return wait_stats_; }
+  /// Whether a spin ends as soon as another thread computes on this CPU (see the class
+  /// comment). Off by default.
+  void set_cede_cpu(bool cede) { cede_cpu_ = cede; }
+  bool cede_cpu() const { return cede_cpu_; }
 
  private:
   [[noreturn]] void throw_overrun(uint64_t found) const;
@@ -222,6 +236,7 @@ class RingReader {
   pid_t owner_pid_;
   uint32_t rank_;
   bool spin_pause_;  // a CPU to spare for every reader and the writer: pause, not sched_yield
+  bool cede_cpu_ = false;
   int64_t last_read_ns_ = 0;
   RingWaitStats wait_stats_;
   uint64_t last_seq_ = 0;

@@ -8,6 +8,7 @@
 #include "core/copy_pool.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
@@ -521,6 +522,79 @@ TEST_CASE("ring reader spins only while messages flow", "[ring]") {
   std::this_thread::sleep_for(std::chrono::milliseconds(60));
   CHECK(sut.acquire(5 * kMs, &data, &n, &flags) == Status::kTimeout);
   CHECK(sut.wait_stats().spin_ns == after.spin_ns);
+}
+
+namespace {
+
+/// Pins the calling thread to one CPU for its lifetime, then restores its mask.
+class PinnedToCpu {
+ public:
+  explicit PinnedToCpu(int cpu) {
+    REQUIRE(sched_getaffinity(0, sizeof(saved_), &saved_) == 0);
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    REQUIRE(sched_setaffinity(0, sizeof(one), &one) == 0);
+  }
+  ~PinnedToCpu() { sched_setaffinity(0, sizeof(saved_), &saved_); }
+  PinnedToCpu(const PinnedToCpu&) = delete;
+  PinnedToCpu& operator=(const PinnedToCpu&) = delete;
+
+ private:
+  cpu_set_t saved_;
+};
+
+}  // namespace
+
+TEST_CASE("a ceding ring reader sleeps instead of spinning beside a thread that computes",
+          "[ring]") {
+  // The reader and a thread that never blocks share one CPU: the reader's sched_yield hands
+  // the CPU to it for a whole scheduler slice. A reader that cedes then sleeps on the futex
+  // rather than keep taking its share of that CPU until the message comes; one that does not
+  // (the default) spins on until the message.
+  const bool cede = GENERATE(true, false);
+  CAPTURE(cede);
+  const int cpu = sched_getcpu();
+  REQUIRE(cpu >= 0);
+  PinnedToCpu pinned(cpu);
+  std::atomic<bool> stop{false};
+  std::atomic<bool> computing{false};
+  std::thread hog([&] {
+    PinnedToCpu also(cpu);
+    computing.store(true);
+    volatile uint64_t sink = 0;
+    while (!stop.load(std::memory_order_relaxed)) sink = sink + 1;
+  });
+  while (!computing.load()) std::this_thread::yield();
+
+  RingConfig config = ring_config(1, 4, 64);
+  SharedRing shm(config);
+  RingWriter writer(shm.base(), shm.bytes(), shm.tokens());
+  RingReader sut(shm.base(), shm.bytes(), 0, shm.tokens());  // one usable CPU: sched_yield
+  sut.set_cede_cpu(cede);
+  const uint8_t* data = nullptr;
+  uint64_t n = 0;
+  uint32_t flags = 0;
+  REQUIRE(writer.acquire(0) != nullptr);
+  writer.publish(1, 0);
+  REQUIRE(sut.acquire(0, &data, &n, &flags) == Status::kOk);  // opens the busy window
+  sut.release();
+
+  std::thread publisher([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    REQUIRE(writer.acquire(kLongNs) != nullptr);
+    writer.publish(1, 0);
+  });
+  const Status got = sut.acquire(kLongNs, &data, &n, &flags);
+  publisher.join();
+  stop.store(true);
+  hog.join();
+  REQUIRE(got == Status::kOk);
+  sut.release();
+  const RingWaitStats stats = sut.wait_stats();
+  CHECK(stats.ceded == (cede ? 1 : 0));
+  CHECK(stats.slept == (cede ? 1 : 0));
+  CHECK(stats.spun == (cede ? 0 : 1));
 }
 
 TEST_CASE("ring shutdown wakes a reader blocked in another process", "[ring]") {

@@ -958,7 +958,8 @@ def test_a_flagged_workers_response_queue_is_ours_without_an_arena(fake_vllm, mo
     lines = [r.getMessage() for r in _plugin_records(caplog)]
     assert sum("response queue is this package's ring" in m for m in lines) == 1, lines
     assert q.args == (1, 1)
-    assert q.kwargs == {"max_chunk_bytes": 24 << 20, "max_chunks": 10}  # no arena asked
+    # No arena asked; its reader (the engine core) cedes its CPU to the computing workers.
+    assert q.kwargs == {"max_chunk_bytes": 24 << 20, "max_chunks": 10, "readers_cede_cpu": True}
     assert vllm_plugin._WORKER_CONFIG.get() is None  # only while the worker builds its queues
     for flag in (False, None):
         assert type(_worker_response_queue(fake_vllm, flag)) is StockMQ

@@ -258,6 +258,7 @@ def test_a_flagged_workers_response_queue_is_ours_end_to_end(patched, seed):
             assert torch.equal(out["pooled"], torch.full((3 * MiB // 4,), float(i)))
         assert results.get(timeout=TIMEOUT_S)[0] == "done"
         assert response.arena is None
+        assert response._end.ring.cede_cpu  # the engine core cedes its CPU to the workers
         proc.join(timeout=60)
     finally:
         if proc.is_alive():

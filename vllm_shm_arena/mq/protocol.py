@@ -145,6 +145,10 @@ class Handle:
     #: The frontend arena whose allocations messages may forward (``WriterEnd._forward_from``):
     #: local reader ``i`` attaches it as rank ``1 + i``. None: no forwards.
     frontend_arena_handle: ArenaHandle | None = None
+    #: The local readers stop spinning for a message as soon as another thread computes on
+    #: their CPU, and sleep until the writer wakes them (``MessageQueue``'s
+    #: ``readers_cede_cpu``; ``RingReader`` in csrc/core/ring.h).
+    readers_cede_cpu: bool = False
 
 
 class WriterDiedError(RuntimeError):

@@ -647,3 +647,22 @@ def test_a_join_with_a_bad_arena_handle_does_not_burn_the_rank():
     finally:
         mq.shutdown()
         r.shutdown()
+
+
+@pytest.mark.parametrize("cede", [False, True])
+def test_readers_cede_cpu_reaches_every_local_readers_ring(cede, writers):
+    """``readers_cede_cpu`` travels in the handle to each local reader's ring wait (the wait
+    itself: ring_test.cpp); off by default. Messages flow the same either way."""
+    kwargs = {"readers_cede_cpu": True} if cede else {}
+    mq = MessageQueue(2, 2, **kwargs)
+    writers(mq)
+    assert mq.export_handle().readers_cede_cpu is cede
+    readers = [MessageQueue.create_from_handle(mq.export_handle(), r) for r in range(2)]
+    for r in readers:
+        writers(r)
+    ready_in_threads(mq, readers)
+    assert [r._end.ring.cede_cpu for r in readers] == [cede, cede]
+    for i in range(3):
+        mq.enqueue({"i": i}, timeout=10)
+        assert [r.dequeue(timeout=10)["i"] for r in readers] == [i, i]
+    assert all("ceded" in r._end.ring.wait_stats() for r in readers)
