@@ -580,8 +580,10 @@ TEST_CASE("a ceding ring reader sleeps instead of spinning beside a thread that 
   REQUIRE(sut.acquire(0, &data, &n, &flags) == Status::kOk);  // opens the busy window
   sut.release();
 
+  // 10 ms: several scheduler slices of the busy thread, and well inside the 50 ms busy
+  // window, so the reader that does not cede still catches the message spinning.
   std::thread publisher([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
     REQUIRE(writer.acquire(kLongNs) != nullptr);
     writer.publish(1, 0);
   });
