@@ -13,9 +13,10 @@ API server, engine core, each worker) rebinds that module's ``MessageQueue`` nam
   (``MessageQueue(1, 1)`` in ``WorkerProc._init_message_queues`` of a worker whose config has
   the flag; without a tensor arena; ``VLLM_SHM_ARENA_RESPONSE_QUEUES=0`` keeps vLLM's): the
   engine core then waits for each step's output on our ring, which spins only while messages
-  flow and then sleeps, instead of in vLLM's reader, which spins for a second after every
-  message. Every other queue (the flag off, other layouts, data parallelism across nodes, the
-  response queues of a multi-node run) is vLLM's own class, built with the same arguments.
+  flow and no worker computes on its CPU (``readers_cede_cpu``) and then sleeps, instead of in
+  vLLM's reader, which spins for a second after every message. Every other queue (the flag
+  off, other layouts, data parallelism across nodes, the response queues of a multi-node run)
+  is vLLM's own class, built with the same arguments.
 * ``ShmArenaMessageQueue.create_from_handle(handle, rank)`` dispatches on the handle's type,
   so a worker joins whichever kind of queue the engine built.
 * ``GroupCoordinator.create_mq_broadcaster`` (the workers' join on multi-node) runs vLLM's

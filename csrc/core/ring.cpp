@@ -595,22 +595,24 @@ RingReader::Status RingReader::acquire(int64_t timeout_ns, const uint8_t** data,
           cpu_relax();
         } else {
           sched_yield();  // the CPU goes to whoever needs it (the writer, a busy reader)
-          // Only a spinning neighbour gave it back at once: a late return means a thread
-          // computed on this CPU meanwhile, and spinning on would take CPU time from it (the
-          // scheduler shares a CPU between runnable threads, yielding or not).
-          const int64_t after = now_ns();
-          const bool ceded = cede_cpu_ && after - now >= kCededYieldNs;
-          now = after;
-          if (ceded) {
-            ++wait_stats_.ceded;
-            break;
+          if (cede_cpu_) {
+            // Only a spinning neighbour gave it back at once: a late return means a thread
+            // computed on this CPU meanwhile, and spinning on would take CPU time from it (the
+            // scheduler shares a CPU between runnable threads, yielding or not).
+            const int64_t after = now_ns();
+            const bool ceded = after - now >= kCededYieldNs;
+            now = after;
+            if (ceded) {
+              ++wait_stats_.ceded;
+              break;
+            }
           }
         }
         if (i % 64 == 0) {
           // SYNC POINT: relaxed; only ends the spin early, the loop below re-reads it with
           // acquire before acting on it.
           if (header_->shutdown.load(std::memory_order_relaxed) != 0) break;
-          if (spin_pause_) now = now_ns();
+          if (spin_pause_ || !cede_cpu_) now = now_ns();  // a ceding yield reads it every turn
         }
       }
       wait_stats_.spin_ns += static_cast<uint64_t>(now_ns() - start);
