@@ -447,8 +447,16 @@ def main(argv=None) -> int:
         default="cpu",
         help="what readers do with each tensor: copy into host memory, or H2D to GPU 0",
     )
+    ap.add_argument(
+        "--copy-threads",
+        type=int,
+        default=None,
+        help="force the copy pool's thread count (default: automatic sizing)",
+    )
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args(argv)
+    if args.copy_threads is not None:
+        _C.set_copy_threads(args.copy_threads)  # forked readers inherit it
     try:
         import vllm
     except ImportError:

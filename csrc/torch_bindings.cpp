@@ -287,6 +287,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     py::dict d;
     d["copies"] = s.copies;
     d["parallel_copies"] = s.parallel_copies;
+    d["wide_copies"] = s.wide_copies;
     d["stream_copies"] = s.stream_copies;
     d["bytes"] = s.bytes;
     d["threads"] = s.threads;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -195,6 +196,11 @@ void copy_bytes(uint8_t* dst, const uint8_t* src, size_t n, bool stream) {
   }
 }
 
+uint64_t elapsed_ns(std::chrono::steady_clock::time_point t0) {
+  const auto d = std::chrono::steady_clock::now() - t0;
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(d).count());
+}
+
 void run_stripes(Job* job) {
   for (;;) {
     size_t i = job->next.fetch_add(1, std::memory_order_relaxed);
@@ -220,14 +226,37 @@ class Pool {
                   n > 0 && std::max(n, working_set) >= stream_min;
     if (stream) stream_copies_.fetch_add(1, std::memory_order_relaxed);
     // Size check first: small copies (most ring frames) never pay for the sizing syscall.
-    unsigned want = n < min_parallel_.load(std::memory_order_relaxed) ? 1 : wanted_threads();
-    if (want <= 1) {
+    if (n < min_parallel_.load(std::memory_order_relaxed)) {
+      copy_bytes(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n, stream);
+      return;
+    }
+    unsigned requested = requested_.load(std::memory_order_relaxed);
+    unsigned fewer = 0;
+    unsigned more = 0;
+    if (requested == 0) {
+      const unsigned cpus = usable();
+      fewer = auto_copy_threads(cpus, readers_.load(std::memory_order_relaxed));
+      more = std::max(fewer, wide_copy_threads(cpus));
+    } else {
+      fewer = more = std::min(requested, kMaxThreads);
+    }
+    if (more <= 1) {
       copy_bytes(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n, stream);
       return;
     }
     // Only one parallel copy at a time: the arena has one writer, and a second caller would
-    // only compete for the same memory bandwidth.
+    // only compete for the same memory bandwidth. The chooser is used under this lock too
+    // (a one-thread copy it chose holds it as well, so that its time is a fair sample).
     pthread_mutex_lock(&copy_mu_);
+    const unsigned want = chooser_.choose(n, fewer, more);
+    if (want <= 1) {
+      const auto t0 = std::chrono::steady_clock::now();
+      copy_bytes(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n, stream);
+      chooser_.record(n, want, elapsed_ns(t0));
+      pthread_mutex_unlock(&copy_mu_);
+      return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
     ensure_threads(want - 1);
     Job job;
     job.dst = static_cast<uint8_t*>(dst);
@@ -252,8 +281,10 @@ class Pool {
     // Workers that woke late must not touch `job` (on our stack) after we return.
     while (busy_ > 0) pthread_cond_wait(&idle_cv_, &mu_);
     pthread_mutex_unlock(&mu_);
+    chooser_.record(n, want, elapsed_ns(t0));
     pthread_mutex_unlock(&copy_mu_);
     parallel_.fetch_add(1, std::memory_order_relaxed);
+    if (want > fewer) wide_.fetch_add(1, std::memory_order_relaxed);
   }
 
   void set_threads(unsigned n) { requested_.store(n, std::memory_order_relaxed); }
@@ -266,6 +297,7 @@ class Pool {
     CopyPoolStats s;
     s.copies = copies_.load(std::memory_order_relaxed);
     s.parallel_copies = parallel_.load(std::memory_order_relaxed);
+    s.wide_copies = wide_.load(std::memory_order_relaxed);
     s.bytes = bytes_.load(std::memory_order_relaxed);
     s.stream_copies = stream_copies_.load(std::memory_order_relaxed);
     pthread_mutex_lock(&mu_);
@@ -295,6 +327,8 @@ class Pool {
     busy_ = 0;
     copies_.store(0, std::memory_order_relaxed);
     parallel_.store(0, std::memory_order_relaxed);
+    wide_.store(0, std::memory_order_relaxed);
+    chooser_ = ThreadCountChooser();  // the child measures for itself
     bytes_.store(0, std::memory_order_relaxed);
     stream_copies_.store(0, std::memory_order_relaxed);
     cgroup_limit_.store(kUnknown, std::memory_order_relaxed);  // the child may be moved
@@ -370,6 +404,8 @@ class Pool {
   std::atomic<size_t> min_parallel_{size_t{4} << 20};
   std::atomic<uint64_t> copies_{0};
   std::atomic<uint64_t> parallel_{0};
+  std::atomic<uint64_t> wide_{0};
+  ThreadCountChooser chooser_;  // under copy_mu_
   std::atomic<uint64_t> bytes_{0};
   std::atomic<uint64_t> stream_copies_{0};
   std::atomic<size_t> stream_min_{kDefaultStreamMinBytes};
@@ -449,6 +485,41 @@ unsigned usable_cpus() {
 unsigned auto_copy_threads(unsigned usable, unsigned readers) {
   unsigned spare = usable > readers ? usable - readers : 1;
   return std::clamp(spare, 1u, kMaxThreads);
+}
+
+unsigned wide_copy_threads(unsigned usable) { return std::clamp(usable, 1u, kMaxThreads); }
+
+size_t ThreadCountChooser::class_of(size_t n) {
+  // floor(log2(n)) - 20: 0 for 1 MiB up to 2 MiB, ...; smaller copies share class 0.
+  size_t log2 = 0;
+  for (size_t v = n; v > 1; v >>= 1) ++log2;
+  return std::min<size_t>(log2 > 20 ? log2 - 20 : 0, kClasses - 1);
+}
+
+unsigned ThreadCountChooser::choose(size_t n, unsigned fewer, unsigned more) {
+  if (fewer >= more) return fewer;
+  SizeClass& c = classes_[class_of(n)];
+  if (c.fewer != fewer || c.more != more) c = SizeClass{fewer, more, {}, 0};  // new candidates
+  const Arm& a = c.arms[0];
+  const Arm& b = c.arms[1];
+  if (a.samples < kTrials || b.samples < kTrials) return a.samples <= b.samples ? fewer : more;
+  const bool more_faster = b.ns_per_byte < a.ns_per_byte;
+  if (++c.since_explore >= kExploreEvery) {
+    c.since_explore = 0;
+    return more_faster ? fewer : more;  // the other one, now and then
+  }
+  return more_faster ? more : fewer;
+}
+
+void ThreadCountChooser::record(size_t n, unsigned threads, uint64_t ns) {
+  SizeClass& c = classes_[class_of(n)];
+  if (c.fewer == c.more || n == 0) return;
+  Arm* arm = threads == c.fewer ? &c.arms[0] : threads == c.more ? &c.arms[1] : nullptr;
+  if (arm == nullptr) return;
+  const double x = static_cast<double>(ns) / static_cast<double>(n);
+  // A moving average over about the last four copies of this count and size.
+  arm->ns_per_byte = arm->samples == 0 ? x : arm->ns_per_byte + (x - arm->ns_per_byte) / 4;
+  if (arm->samples < UINT32_MAX) arm->samples++;
 }
 
 unsigned cgroup_cpu_limit(const std::string& cgroup_root, const std::string& proc_self_cgroup) {

@@ -5,12 +5,14 @@
 // and reused (creating threads per call costs more than a small copy). Below
 // `min_parallel_bytes` a single memcpy on the calling thread wins and is used instead.
 //
-// Sizing: extra threads only pay on CPUs nobody else needs. The automatic count starts from
-// the CPUs this process may really use (its affinity mask, capped by a cgroup CPU quota; not
-// hardware_concurrency(), which counts every CPU of the host), takes away the queue's local
-// readers (they copy the same message out at the same time), and is clamped to [1, 8]: copy
-// threads competing with the readers for the same cores slow the whole broadcast down
-// (benchmarks/results/copy_bench.txt has the figures).
+// Sizing: the automatic count starts from the CPUs this process may really use (its affinity
+// mask, capped by a cgroup CPU quota; not hardware_concurrency(), which counts every CPU of the
+// host), clamped to [1, 8]. Whether the queue's local readers' CPUs should help is measured,
+// not assumed: a reader that copies the previous message out, or computes, loses what a helper
+// takes, while a reader waiting for this very message has nothing better to do with its CPU,
+// and hosts differ in whether a second core speeds a copy up at all (copy_bench.txt,
+// copy_threads_ab*.md in benchmarks/results). ThreadCountChooser tries both counts, with and
+// without the readers' CPUs, and keeps the faster one per copy size.
 //
 // Streaming stores: a copy into shared memory (`CopyTarget::kShared`: the arena's data region
 // and the ring's chunks, which other processes read next) uses non-temporal stores on x86-64
@@ -47,6 +49,7 @@ namespace vllm_shm_arena {
 struct CopyPoolStats {
   uint64_t copies = 0;           ///< calls of parallel_copy
   uint64_t parallel_copies = 0;  ///< calls that used more than one thread
+  uint64_t wide_copies = 0;      ///< calls that also used the readers' CPUs (ThreadCountChooser)
   uint64_t bytes = 0;            ///< bytes copied
   uint64_t stream_copies = 0;    ///< calls that used streaming stores
   uint32_t threads = 0;          ///< worker threads currently running in this process
@@ -79,15 +82,18 @@ void set_stream_min_bytes(size_t n);
 /// The current streaming threshold (0: off).
 size_t stream_min_bytes();
 
-/// Sets how many threads (caller included) a copy may use; 0 = automatic
-/// (auto_copy_threads(usable_cpus(), readers)). Takes effect on the next copy.
+/// Sets how many threads (caller included) a copy may use; 0 = automatic (auto_copy_threads
+/// or wide_copy_threads of usable_cpus(), as ThreadCountChooser measures). Takes effect on
+/// the next copy.
 void set_copy_threads(unsigned n);
 
 /// Tells the automatic sizing how many local readers share this host's CPUs with the copy
 /// (the queue's writer passes its n_local_reader). Process-wide; the last call wins.
 void set_copy_readers(unsigned n);
 
-/// Threads (caller included) a copy of at least min_parallel_bytes would use now.
+/// Threads (caller included) a copy of at least min_parallel_bytes uses now: the count set,
+/// or with automatic sizing the CPUs the local readers leave over (auto_copy_threads); such a
+/// copy may also use the readers' CPUs (ThreadCountChooser, counted in wide_copies).
 unsigned copy_threads();
 
 /// Thread `tid`'s sched_getaffinity mask (0: the calling thread's) as the words of a
@@ -111,6 +117,49 @@ unsigned cgroup_cpu_limit(const std::string& cgroup_root, const std::string& pro
 /// The automatic thread count for `usable` CPUs of which `readers` are busy with the local
 /// readers: the CPUs left over, clamped to [1, 8].
 unsigned auto_copy_threads(unsigned usable, unsigned readers);
+
+/// The most threads an automatic copy may use: every usable CPU, clamped to [1, 8].
+unsigned wide_copy_threads(unsigned usable);
+
+/// Chooses, for each large copy with automatic sizing, between two thread counts by measuring
+/// them: `fewer` (auto_copy_threads: the CPUs the local readers leave over) and `more`
+/// (wide_copy_threads: the readers' CPUs too). Whether helpers on the readers' CPUs speed a
+/// copy up depends on the host's memory system (whether one core already saturates it) and on
+/// what the readers do meanwhile (wait for the next message, or compute), which no fixed rule
+/// knows: on one 2-vCPU host two threads made the broadcast 1.3-1.9x faster from 64 MiB up,
+/// on another they were up to 0.77x (benchmarks/results/copy_threads_ab*.md). The copy's own
+/// time shows it. Per size class (a power of two from 1 MiB) it keeps a moving average of
+/// each count's nanoseconds per byte: it tries each count kTrials times, then takes the faster
+/// one and tries the other once in kExploreEvery copies, so that a change in what the readers
+/// do is seen. The readers' side is not measured: a helper that takes a computing reader's
+/// CPU costs that reader the helper's share of the copy, and the copy ends sooner by as much.
+/// Not thread-safe (the pool calls it under its copy lock).
+class ThreadCountChooser {
+ public:
+  static constexpr unsigned kTrials = 2;
+  static constexpr unsigned kExploreEvery = 8;
+  static constexpr unsigned kClasses = 12;  ///< 1 MiB, 2 MiB, ... 2 GiB and above
+
+  /// The thread count the next copy of `n` bytes uses (`fewer` when the two are equal).
+  unsigned choose(size_t n, unsigned fewer, unsigned more);
+  /// A copy of `n` bytes with `threads` took `ns` nanoseconds (counts other than the class's
+  /// current `fewer` and `more` are ignored).
+  void record(size_t n, unsigned threads, uint64_t ns);
+
+ private:
+  struct Arm {
+    uint32_t samples = 0;
+    double ns_per_byte = 0;
+  };
+  struct SizeClass {
+    unsigned fewer = 0;
+    unsigned more = 0;
+    Arm arms[2];  // [0]: fewer, [1]: more
+    uint32_t since_explore = 0;
+  };
+  static size_t class_of(size_t n);
+  SizeClass classes_[kClasses];
+};
 
 /// Sets the size below which a copy runs as one memcpy on the calling thread.
 void set_min_parallel_bytes(size_t n);

@@ -222,6 +222,110 @@ TEST_CASE("automatic thread count: usable CPUs minus readers, clamped to [1, 8]"
   CHECK(usable_cpus() <= std::max(1u, std::thread::hardware_concurrency()));
 }
 
+TEST_CASE("the widest automatic count: every usable CPU, clamped to [1, 8]", "[copy]") {
+  CHECK(wide_copy_threads(2) == 2);
+  CHECK(wide_copy_threads(0) == 1);
+  CHECK(wide_copy_threads(64) == 8);
+}
+
+namespace {
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+// Runs `copies` choices for copies of `n` bytes, each recorded as taking `ns_per_byte(count)`
+// per byte; returns how many used `more`.
+template <typename Cost>
+int run_chooser(ThreadCountChooser& c, size_t n, unsigned fewer, unsigned more, int copies,
+                Cost ns_per_byte) {
+  int wide = 0;
+  for (int i = 0; i < copies; ++i) {
+    unsigned t = c.choose(n, fewer, more);
+    REQUIRE((t == fewer || t == more));
+    wide += t == more;
+    c.record(n, t, static_cast<uint64_t>(ns_per_byte(t) * static_cast<double>(n)));
+  }
+  return wide;
+}
+
+}  // namespace
+
+TEST_CASE("the thread-count chooser keeps the faster count and still tries the other", "[copy]") {
+  SECTION("more threads faster: nearly every copy uses them") {
+    ThreadCountChooser c;
+    int wide = run_chooser(c, 64 * kMiB, 1, 2, 80, [](unsigned t) { return t == 2 ? 0.05 : 0.1; });
+    // Two trials each, then one copy in kExploreEvery goes to the slower count.
+    CHECK(wide >= 80 - 2 - 80 / static_cast<int>(ThreadCountChooser::kExploreEvery));
+    CHECK(wide < 80);
+  }
+  SECTION("fewer threads faster: nearly every copy uses fewer") {
+    ThreadCountChooser c;
+    int wide = run_chooser(c, 64 * kMiB, 1, 2, 80, [](unsigned t) { return t == 2 ? 0.2 : 0.1; });
+    CHECK(wide <= 2 + 80 / static_cast<int>(ThreadCountChooser::kExploreEvery));
+    CHECK(wide >= 2);
+  }
+  SECTION("when the costs swap, the choice follows within a few explorations") {
+    ThreadCountChooser c;
+    run_chooser(c, 64 * kMiB, 1, 2, 40, [](unsigned t) { return t == 2 ? 0.05 : 0.1; });
+    run_chooser(c, 64 * kMiB, 1, 2, 80, [](unsigned t) { return t == 2 ? 0.3 : 0.1; });
+    // Settled on fewer: the last kExploreEvery choices hold at most one wide copy.
+    int wide = run_chooser(c, 64 * kMiB, 1, 2, static_cast<int>(ThreadCountChooser::kExploreEvery),
+                           [](unsigned t) { return t == 2 ? 0.3 : 0.1; });
+    CHECK(wide <= 1);
+  }
+  SECTION("size classes are measured apart") {
+    ThreadCountChooser c;
+    // Large copies gain from the second thread, small ones lose.
+    auto cost_large = [](unsigned t) { return t == 2 ? 0.05 : 0.1; };
+    auto cost_small = [](unsigned t) { return t == 2 ? 0.2 : 0.1; };
+    int wide_large = 0;
+    int wide_small = 0;
+    for (int i = 0; i < 40; ++i) {
+      wide_large += run_chooser(c, 200 * kMiB, 1, 2, 1, cost_large);
+      wide_small += run_chooser(c, 4 * kMiB, 1, 2, 1, cost_small);
+    }
+    CHECK(wide_large >= 30);
+    CHECK(wide_small <= 10);
+  }
+  SECTION("equal counts: no choice, nothing measured") {
+    ThreadCountChooser c;
+    CHECK(c.choose(64 * kMiB, 2, 2) == 2);
+    CHECK(c.choose(64 * kMiB, 3, 1) == 3);  // fewer >= more: fewer
+    c.record(64 * kMiB, 2, 1);              // ignored
+    CHECK(run_chooser(c, 64 * kMiB, 1, 2, 4, [](unsigned) { return 0.1; }) == 2);  // 2 trials
+  }
+  SECTION("new candidates start the measuring again") {
+    ThreadCountChooser c;
+    run_chooser(c, 64 * kMiB, 1, 2, 40, [](unsigned t) { return t == 2 ? 0.2 : 0.1; });
+    // Readers went away: fewer is now 2 and more 4; both are tried before either is kept.
+    int wide = run_chooser(c, 64 * kMiB, 2, 4, 4, [](unsigned t) { return t == 4 ? 0.2 : 0.1; });
+    CHECK(wide == 2);
+  }
+}
+
+TEST_CASE("automatic sizing copies with the readers' CPUs when that measured faster", "[copy]") {
+  // Wiring, not speed: with readers on every CPU, a large copy still uses the wider count for
+  // its trials (counted in wide_copies), and the bytes are right whichever count is used.
+  if (usable_cpus() < 2) {
+    VSA_SKIP("one usable CPU: there is no wider count to try");
+    return;
+  }
+  set_copy_threads(0);
+  set_copy_readers(usable_cpus());
+  const size_t n = 8 * kMiB;
+  std::vector<uint8_t> src(n), dst(n);
+  for (size_t i = 0; i < n; ++i) src[i] = static_cast<uint8_t>(i * 7 + 3);
+  uint64_t wide0 = copy_pool_stats().wide_copies;
+  // Whatever the chooser measured before (other tests share the process's pool), at least
+  // two of these copies use the wider count: its trials, or one exploration in kExploreEvery.
+  for (int i = 0; i < 2 * static_cast<int>(ThreadCountChooser::kExploreEvery); ++i) {
+    std::fill(dst.begin(), dst.end(), 0);
+    parallel_copy(dst.data(), src.data(), n);
+    REQUIRE(dst == src);
+  }
+  CHECK(copy_pool_stats().wide_copies - wide0 >= 2);
+  set_copy_readers(0);
+}
+
 TEST_CASE("the readers hint lowers the automatic count; an explicit count wins", "[copy]") {
   set_copy_threads(0);
   set_copy_readers(0);

@@ -5,7 +5,8 @@ csrc/bindings/message_bindings.cpp).
   other bytes than the frame's (a reversed view's ``buf`` is its last element).
 * ``tensor_from_buffer`` aliases writable buffers (ZeroMQ frames, bytearrays) and copies
   read-only ones (``bytes``) once, so an in-place op never mutates an immutable object.
-* ``set_copy_readers``: the queue's writer leaves its local readers their CPUs.
+* ``set_copy_readers``: the queue's writer tells the copy pool its local readers' CPUs, which a
+  copy uses only where that measures faster (``wide_copies``).
 * ``TensorArenaReader`` offers no early detach: a live tensor's record is never recycled.
 
 Every shared-memory name lives in the test's private directory.
@@ -140,6 +141,17 @@ def test_queue_writer_tells_the_copy_pool_its_local_readers(tmp_path, monkeypatc
     mq = MessageQueue(n, n, max_chunk_bytes=1 << 16, max_chunks=2)
     try:
         assert _C.copy_threads() == 1  # a local reader on every CPU: no spare for the copy
+        if alone >= 2:  # two usable CPUs or more
+            # ... but a large copy still tries the readers' CPUs (and keeps them if faster):
+            # at least two in 2 x 8 copies (trials, or one exploration in 8).
+            src = torch.arange(8 << 20, dtype=torch.uint8)
+            dst = torch.empty_like(src)
+            wide = _C.copy_pool_stats()["wide_copies"]
+            for _ in range(16):
+                dst.zero_()
+                _C.parallel_copy(dst, src)
+                assert torch.equal(dst, src)
+            assert _C.copy_pool_stats()["wide_copies"] - wide >= 2
     finally:
         mq.shutdown()
         _C.set_copy_readers(0)

@@ -365,7 +365,7 @@ class LocalReaderEnd(_ReaderEnd):
             self.ring = _C.MessageRingReader(
                 name, index, shm_dir, cede_cpu=getattr(handle, "readers_cede_cpu", False)
             )
-            # Readers copy ring frames out too: leave the others (and the writer) a CPU.
+            # Readers copy ring frames out too: the others' CPUs only where that measures faster.
             _C.set_copy_readers(len(handle.local_reader_ranks))
             self.socket = ReaderSocket(self.lifecycle, self.keys, handle.local_subscribe_addr, True)
             # Last, and never failing the join: a counted arena's rank attaches once for good.

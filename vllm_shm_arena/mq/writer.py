@@ -289,7 +289,7 @@ class WriterEnd(End):
             if n_local_reader > 0:
                 self.ring = _C.MessageRingWriter(n_local_reader, max_chunks, max_chunk_bytes)
                 self.lifecycle.resources.ring_writer = self.ring
-                _C.set_copy_readers(n_local_reader)  # the copy pool leaves the readers CPUs
+                _C.set_copy_readers(n_local_reader)  # copies measured with and without their CPUs
                 local_addr = self.sockets.bind_local(self.ring.dir)
             if self.n_remote_reader > 0:
                 remote_addr = self.sockets.bind_remote(connect_ip, self.roster, security)
