@@ -281,7 +281,9 @@ def write_outputs(result: dict, out_dir: str) -> None:
             else ""
         )
         + "; "
-        f"torch {result['machine']['torch']}, copy threads {result['copy_threads']}. "
+        f"torch {result['machine']['torch']}, copy threads {result['copy_threads']}"
+        + _wide_note(result.get("copy_pool"))
+        + ". "
         f"Load average (1 min) during the run: median {la['median']:.2f}, "
         f"min {la['min']:.2f}, max {la['max']:.2f} (the benchmark's own writer and readers count: "
         "at TP=4 that is five processes). "
@@ -427,6 +429,18 @@ def write_outputs(result: dict, out_dir: str) -> None:
     fig.savefig(os.path.join(out_dir, "vs_vllm.png"), dpi=100)
 
 
+def _wide_note(pool: dict | None) -> str:
+    """How many of the writer's parallel copies also used the readers' CPUs (the copy pool's
+    ThreadCountChooser, csrc/core/copy_pool.h)."""
+    if not pool or "wide_copies" not in pool:
+        return ""
+    return (
+        f" (automatic: the CPUs the readers leave; {pool['wide_copies']} of the writer's "
+        f"{pool['copies']} copies through the copy pool used the readers' CPUs too, where that "
+        "measured faster)"
+    )
+
+
 def main(argv=None) -> int:
     """Runs the sweep, prints the ratios, writes the results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -567,6 +581,7 @@ def main(argv=None) -> int:
         "vllm_version": vllm.__version__,
         "machine": ab.machine_info(),
         "copy_threads": _C.copy_threads(),
+        "copy_pool": _C.copy_pool_stats(),  # the writer's: wide_copies used the readers' CPUs
         "loadavg": {**_spread(loads), "samples": loads},
         "counts": counts,
         "warm_memcpy_ms": memcpy,

@@ -126,8 +126,8 @@ unsigned wide_copy_threads(unsigned usable);
 /// (wide_copy_threads: the readers' CPUs too). Whether helpers on the readers' CPUs speed a
 /// copy up depends on the host's memory system (whether one core already saturates it) and on
 /// what the readers do meanwhile (wait for the next message, or compute), which no fixed rule
-/// knows: on one 2-vCPU host two threads made the broadcast 1.3-1.9x faster from 64 MiB up,
-/// on another they were up to 0.77x (benchmarks/results/copy_threads_ab*.md). The copy's own
+/// knows: on one 2-vCPU host two threads delivered 64 and 200 MiB messages 1.45-1.83x sooner,
+/// on another 0.77-1.14x (benchmarks/results/copy_threads_ab*.md). The copy's own
 /// time shows it. Per size class (a power of two from 1 MiB) it keeps a moving average of
 /// each count's nanoseconds per byte: it tries each count kTrials times, then takes the faster
 /// one and tries the other once in kExploreEvery copies, so that a change in what the readers
