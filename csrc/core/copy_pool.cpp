@@ -503,7 +503,7 @@ unsigned ThreadCountChooser::choose(size_t n, unsigned fewer, unsigned more) {
   const Arm& a = c.arms[0];
   const Arm& b = c.arms[1];
   if (a.samples < kTrials || b.samples < kTrials) return a.samples <= b.samples ? fewer : more;
-  const bool more_faster = b.ns_per_byte < a.ns_per_byte;
+  const bool more_faster = b.median() < a.median();
   if (++c.since_explore >= kExploreEvery) {
     c.since_explore = 0;
     return more_faster ? fewer : more;  // the other one, now and then
@@ -516,10 +516,18 @@ void ThreadCountChooser::record(size_t n, unsigned threads, uint64_t ns) {
   if (c.fewer == c.more || n == 0) return;
   Arm* arm = threads == c.fewer ? &c.arms[0] : threads == c.more ? &c.arms[1] : nullptr;
   if (arm == nullptr) return;
-  const double x = static_cast<double>(ns) / static_cast<double>(n);
-  // A moving average over about the last four copies of this count and size.
-  arm->ns_per_byte = arm->samples == 0 ? x : arm->ns_per_byte + (x - arm->ns_per_byte) / 4;
-  if (arm->samples < UINT32_MAX) arm->samples++;
+  arm->recent[arm->next] = static_cast<double>(ns) / static_cast<double>(n);
+  arm->next = (arm->next + 1) % kWindow;
+  if (arm->samples < kWindow) arm->samples++;
+}
+
+double ThreadCountChooser::Arm::median() const {
+  const unsigned k = samples;
+  if (k == 0) return 0;
+  double v[kWindow];
+  std::copy(recent, recent + k, v);
+  std::nth_element(v, v + k / 2, v + k);
+  return v[k / 2];
 }
 
 unsigned cgroup_cpu_limit(const std::string& cgroup_root, const std::string& proc_self_cgroup) {

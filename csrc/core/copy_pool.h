@@ -128,10 +128,11 @@ unsigned wide_copy_threads(unsigned usable);
 /// what the readers do meanwhile (wait for the next message, or compute), which no fixed rule
 /// knows: on one 2-vCPU host two threads delivered 64 and 200 MiB messages 1.45-1.83x sooner,
 /// on another 0.77-1.14x (benchmarks/results/copy_threads_ab*.md). The copy's own
-/// time shows it. Per size class (a power of two from 1 MiB) it keeps a moving average of
-/// each count's nanoseconds per byte: it tries each count kTrials times, then takes the faster
-/// one and tries the other once in kExploreEvery copies, so that a change in what the readers
-/// do is seen. The readers' side is not measured: a helper that takes a computing reader's
+/// time shows it. Per size class (a power of two from 1 MiB) it keeps each count's last
+/// kWindow times per byte and compares their medians (one copy slowed by a preemption does
+/// not turn the choice): it tries each count kTrials times, then takes the faster one and
+/// tries the other once in kExploreEvery copies, so that a change in what the readers do is
+/// seen. The readers' side is not measured: a helper that takes a computing reader's
 /// CPU costs that reader the helper's share of the copy, and the copy ends sooner by as much.
 /// Not thread-safe (the pool calls it under its copy lock).
 class ThreadCountChooser {
@@ -139,6 +140,7 @@ class ThreadCountChooser {
   static constexpr unsigned kTrials = 2;
   static constexpr unsigned kExploreEvery = 8;
   static constexpr unsigned kClasses = 12;  ///< 1 MiB, 2 MiB, ... 2 GiB and above
+  static constexpr unsigned kWindow = 5;    ///< samples per count whose median decides
 
   /// The thread count the next copy of `n` bytes uses (`fewer` when the two are equal).
   unsigned choose(size_t n, unsigned fewer, unsigned more);
@@ -148,8 +150,10 @@ class ThreadCountChooser {
 
  private:
   struct Arm {
-    uint32_t samples = 0;
-    double ns_per_byte = 0;
+    uint32_t samples = 0;         ///< recorded so far, at most kWindow
+    uint32_t next = 0;            ///< where the next one goes in `recent`
+    double recent[kWindow] = {};  ///< the last `samples`, ns per byte (a ring)
+    double median() const;
   };
   struct SizeClass {
     unsigned fewer = 0;

@@ -272,6 +272,20 @@ TEST_CASE("the thread-count chooser keeps the faster count and still tries the o
                            [](unsigned t) { return t == 2 ? 0.3 : 0.1; });
     CHECK(wide <= 1);
   }
+  SECTION("one slow copy (a preemption) does not turn the choice") {
+    ThreadCountChooser c;
+    run_chooser(c, 64 * kMiB, 1, 2, 40, [](unsigned t) { return t == 2 ? 0.05 : 0.1; });
+    // The next copy with more threads is 10x slower once; then the costs are as before.
+    bool slowed = false;
+    int wide = run_chooser(c, 64 * kMiB, 1, 2, 40, [&](unsigned t) {
+      if (t == 2 && !slowed) {
+        slowed = true;
+        return 0.5;
+      }
+      return t == 2 ? 0.05 : 0.1;
+    });
+    CHECK(wide >= 40 - 40 / static_cast<int>(ThreadCountChooser::kExploreEvery) - 1);
+  }
   SECTION("size classes are measured apart") {
     ThreadCountChooser c;
     // Large copies gain from the second thread, small ones lose.
