@@ -14,6 +14,7 @@
 #include <cstring>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -230,16 +231,7 @@ class Pool {
       copy_bytes(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n, stream);
       return;
     }
-    unsigned requested = requested_.load(std::memory_order_relaxed);
-    unsigned fewer = 0;
-    unsigned more = 0;
-    if (requested == 0) {
-      const unsigned cpus = usable();
-      fewer = auto_copy_threads(cpus, readers_.load(std::memory_order_relaxed));
-      more = std::max(fewer, wide_copy_threads(cpus));
-    } else {
-      fewer = more = std::min(requested, kMaxThreads);
-    }
+    const auto [fewer, more] = candidates();
     if (more <= 1) {
       copy_bytes(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n, stream);
       return;
@@ -334,11 +326,17 @@ class Pool {
     cgroup_limit_.store(kUnknown, std::memory_order_relaxed);  // the child may be moved
   }
 
-  unsigned wanted_threads() {
-    unsigned r = requested_.load(std::memory_order_relaxed);
-    if (r == 0) return auto_copy_threads(usable(), readers_.load(std::memory_order_relaxed));
-    return std::min(r, kMaxThreads);
+  // The thread counts a large copy chooses between (ThreadCountChooser): {fewer, more}, the
+  // same count twice when one was set. wide_copy_threads is never below auto_copy_threads.
+  std::pair<unsigned, unsigned> candidates() {
+    const unsigned r = requested_.load(std::memory_order_relaxed);
+    if (r != 0) return {std::min(r, kMaxThreads), std::min(r, kMaxThreads)};
+    const unsigned cpus = usable();
+    return {auto_copy_threads(cpus, readers_.load(std::memory_order_relaxed)),
+            wide_copy_threads(cpus)};
   }
+
+  unsigned wanted_threads() { return candidates().first; }
 
   // The affinity mask is asked on every large copy (one syscall, nothing next to a copy of
   // megabytes) because a process may be pinned after start (vLLM's CPU workers bind their

@@ -362,9 +362,7 @@ class LocalReaderEnd(_ReaderEnd):
                 self.arena = ShmTensorArena.attach(handle.tensor_arena_handle, index)
             if handle.blob_arena_handle is not None:
                 self.blob_region = ShmTensorArena.attach(handle.blob_arena_handle, index)
-            self.ring = _C.MessageRingReader(
-                name, index, shm_dir, cede_cpu=getattr(handle, "readers_cede_cpu", False)
-            )
+            self.ring = _C.MessageRingReader(name, index, shm_dir, cede_cpu=handle.readers_cede_cpu)
             # Readers copy ring frames out too: the others' CPUs only where that measures faster.
             _C.set_copy_readers(len(handle.local_reader_ranks))
             self.socket = ReaderSocket(self.lifecycle, self.keys, handle.local_subscribe_addr, True)
